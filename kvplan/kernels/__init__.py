@@ -1,0 +1,63 @@
+"""Quantize / pack / dequantize (and, on GPU, fused attention) behind one dispatcher.
+
+Each op has a PyTorch reference (``reference.py``) and a Triton kernel with the same
+signature (``triton_kernels.py``). CUDA tensors go to Triton when it imports; everything
+else goes to the reference. Triton is imported lazily, so CPU-only installs work.
+Set ``KVPLAN_DISABLE_TRITON=1`` to force the reference everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import reference
+from .qtypes import FULL_PRECISION_BITS, GROUP_SIZES, QTYPES, SUPPORTED_BITS, packed_row_bytes, qtype
+
+__all__ = [
+    "FULL_PRECISION_BITS",
+    "GROUP_SIZES",
+    "QTYPES",
+    "SUPPORTED_BITS",
+    "dequantize",
+    "packed_row_bytes",
+    "qtype",
+    "quantize",
+    "triton_available",
+]
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """True when the Triton kernels can be imported (Triton installed and importable)."""
+    if os.environ.get("KVPLAN_DISABLE_TRITON") == "1":
+        return False
+    try:
+        from . import triton_kernels  # noqa: F401
+    except Exception:  # ImportError, or a broken Triton install
+        return False
+    return True
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and triton_available()
+
+
+def quantize(x, bits, group_size, axis, start_offset=0):
+    """Quantize ``x [B, h, T, D]`` to ``(packed codes, scale, zero)``; see ``reference`` for layout."""
+    if _use_triton(x):
+        from . import triton_kernels
+
+        return triton_kernels.quantize(x, bits, group_size, axis, start_offset)
+    return reference.quantize(x, bits, group_size, axis, start_offset)
+
+
+def dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset=0, dtype=torch.float16):
+    """Unpack and dequantize to ``[B, h, T, D]`` in ``dtype``."""
+    if _use_triton(packed):
+        from . import triton_kernels
+
+        return triton_kernels.dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, dtype)
+    return reference.dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, dtype)

@@ -1,0 +1,147 @@
+"""PyTorch reference implementation of the KV quantizer (CPU and any device).
+
+Layout contract (the Triton kernels in ``triton_kernels.py`` produce exactly this):
+
+* input block ``x``: ``[B, h, T, D]`` in fp16 / bf16 / fp32.
+* codes: asymmetric min-max, ``code = round((x - zero) / scale)`` clamped to
+  ``[0, 2**bits - 1]``, computed in fp32 from the *fp16-rounded* scale and zero so
+  that dequantization ``code * scale + zero`` uses exactly what is stored.
+  A constant group (max == min) has scale 0, codes 0, and dequantizes to ``zero``.
+* packed codes: ``uint8 [B, h, T, packed_row_bytes(D, bits)]``; within a row, code
+  ``j`` of a pack unit sits at bit offset ``j * bits`` (little-endian across the
+  unit's bytes). 8-bit: one code per byte; 4-bit: two; 2-bit: four; 3-bit: eight
+  codes in three bytes.
+* ``axis="token"``: groups of ``g = min(group_size, D)`` consecutive channels of one
+  token. scale, zero: ``fp16 [B, h, T, D // g]``.
+* ``axis="channel"`` (KIVI keys): groups of tokens along T, aligned to absolute
+  positions: the block's first token sits at ``start_offset`` inside its group of
+  ``group_size`` tokens, so the first and last groups may be partial.
+  scale, zero: ``fp16 [B, h, n_groups, D]`` with
+  ``n_groups = ceil((start_offset + T) / group_size)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .qtypes import channel_group_size, qtype
+
+_FP16_MAX = 65504.0
+
+
+# ----------------------------------------------------------------------------- packing
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``uint8`` codes ``[..., n]`` into ``uint8 [..., packed_row_bytes(n, bits)]``."""
+    qt = qtype(bits)
+    n = codes.shape[-1]
+    units = -(-n // qt.codes_per_unit)
+    pad = units * qt.codes_per_unit - n
+    c = codes.to(torch.int32)
+    if pad:
+        c = torch.nn.functional.pad(c, (0, pad))
+    c = c.reshape(*codes.shape[:-1], units, qt.codes_per_unit)
+    shifts = torch.arange(qt.codes_per_unit, device=codes.device, dtype=torch.int32) * bits
+    word = (c << shifts).sum(dim=-1)  # [..., units], at most 24 bits used
+    byte_shifts = torch.arange(qt.unit_bytes, device=codes.device, dtype=torch.int32) * 8
+    out = (word.unsqueeze(-1) >> byte_shifts) & 0xFF  # [..., units, unit_bytes]
+    return out.reshape(*codes.shape[:-1], units * qt.unit_bytes).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: ``uint8 [..., bytes]`` to ``uint8 [..., n]``."""
+    qt = qtype(bits)
+    units = packed.shape[-1] // qt.unit_bytes
+    b = packed.to(torch.int32).reshape(*packed.shape[:-1], units, qt.unit_bytes)
+    byte_shifts = torch.arange(qt.unit_bytes, device=packed.device, dtype=torch.int32) * 8
+    word = (b << byte_shifts).sum(dim=-1)  # [..., units]
+    shifts = torch.arange(qt.codes_per_unit, device=packed.device, dtype=torch.int32) * bits
+    codes = (word.unsqueeze(-1) >> shifts) & qt.qmax  # [..., units, codes_per_unit]
+    return codes.reshape(*packed.shape[:-1], units * qt.codes_per_unit)[..., :n].to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- scales
+def _scale_zero(mn: torch.Tensor, mx: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 scale and zero-point from fp32 group min / max."""
+    if bool((mn < -_FP16_MAX).any() or (mx > _FP16_MAX).any()):
+        raise ValueError(
+            "KV values exceed the fp16 range of the stored scales/zero-points "
+            f"(min {mn.min().item():.4g}, max {mx.max().item():.4g}); cannot quantize this block"
+        )
+    scale = ((mx - mn) / qmax).to(torch.float16)
+    zero = mn.to(torch.float16)
+    return scale, zero
+
+
+def _encode(x: torch.Tensor, scale16: torch.Tensor, zero16: torch.Tensor, qmax: int) -> torch.Tensor:
+    s = scale16.float()
+    z = zero16.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round((x - z) / safe)
+    q = torch.where(s > 0, q, torch.zeros_like(q))
+    return q.clamp_(0, qmax).to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- quantize
+def quantize(
+    x: torch.Tensor, bits: int, group_size: int, axis: str, start_offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x [B, h, T, D]``; returns ``(packed codes, scale fp16, zero fp16)``.
+
+    See the module docstring for the layout.
+    """
+    qt = qtype(bits)
+    B, h, T, D = x.shape
+    xf = x.float()
+    if axis == "token":
+        g = channel_group_size(group_size, D)
+        xg = xf.reshape(B, h, T, D // g, g)
+        scale, zero = _scale_zero(xg.amin(dim=-1), xg.amax(dim=-1), qt.qmax)  # [B, h, T, D/g]
+        codes = _encode(xg, scale.unsqueeze(-1), zero.unsqueeze(-1), qt.qmax).reshape(B, h, T, D)
+    elif axis == "channel":
+        if not 0 <= start_offset < group_size:
+            raise ValueError(f"start_offset {start_offset} outside [0, {group_size})")
+        n_groups = -(-(start_offset + T) // group_size)
+        back = n_groups * group_size - start_offset - T
+        lo = torch.nn.functional.pad(xf, (0, 0, start_offset, back), value=float("inf"))
+        hi = torch.nn.functional.pad(xf, (0, 0, start_offset, back), value=float("-inf"))
+        mn = lo.reshape(B, h, n_groups, group_size, D).amin(dim=3)
+        mx = hi.reshape(B, h, n_groups, group_size, D).amax(dim=3)
+        scale, zero = _scale_zero(mn, mx, qt.qmax)  # [B, h, n_groups, D]
+        s_tok = _expand_groups(scale, group_size, start_offset, T)
+        z_tok = _expand_groups(zero, group_size, start_offset, T)
+        codes = _encode(xf, s_tok, z_tok, qt.qmax)
+    else:
+        raise ValueError(f"unknown quantization axis {axis!r}; expected 'token' or 'channel'")
+    return pack_codes(codes, bits), scale, zero
+
+
+def _expand_groups(t: torch.Tensor, group_size: int, start_offset: int, T: int) -> torch.Tensor:
+    """``[B, h, n_groups, D]`` per-group tensor to ``[B, h, T, D]`` per token."""
+    return t.repeat_interleave(group_size, dim=2)[:, :, start_offset : start_offset + T]
+
+
+def dequantize(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    group_size: int,
+    axis: str,
+    head_dim: int,
+    start_offset: int = 0,
+    dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
+    """Unpack and dequantize back to ``[B, h, T, D]`` in ``dtype``."""
+    codes = unpack_codes(packed, bits, head_dim).float()  # [B, h, T, D]
+    B, h, T, D = codes.shape
+    if axis == "token":
+        g = channel_group_size(group_size, D)
+        out = codes.reshape(B, h, T, D // g, g) * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+        out = out.reshape(B, h, T, D)
+    elif axis == "channel":
+        s = _expand_groups(scale.float(), group_size, start_offset, T)
+        z = _expand_groups(zero.float(), group_size, start_offset, T)
+        out = codes * s + z
+    else:
+        raise ValueError(f"unknown quantization axis {axis!r}")
+    return out.to(dtype)
