@@ -1,0 +1,793 @@
+"""Triton kernels: quantize / dequantize in the reference layout, and fused decode attention.
+
+Every op here has the same signature and output as its PyTorch reference
+(:mod:`kvplan.kernels.reference` for quantize / dequantize,
+:mod:`kvplan.kernels.attention_reference` for decode attention); see ``reference.py``
+for the exact byte layout. This module imports Triton at import time, so it is only
+imported lazily by the dispatcher (``kvplan.kernels.triton_available``), never by
+``import kvplan``.
+
+On a machine without a GPU the kernels run (slowly) under Triton's interpreter with
+``TRITON_INTERPRET=1`` set before Triton is imported, on CPU tensors; that is how the
+tests check them against the references.
+
+Shared packing scheme (all bit widths, one code path): a row of ``D`` codes is a little-endian
+bit stream, code ``j`` at bit ``j * bits``. It is handled as ``U`` pack units of
+``CPU`` codes (``codes_per_unit``) in ``UB`` bytes (``unit_bytes``): a unit is a ≤24-bit
+integer ``word = sum_j code_j << (j * bits)`` whose bytes are ``(word >> 8k) & 0xFF``.
+In registers a unit's bytes are held in a power-of-two lane ``UBP`` (1, or 4 for the
+3-bit three-byte unit, the 4th lane masked off).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .qtypes import FULL_PRECISION_BITS, channel_group_size, packed_row_bytes, qtype
+
+__all__ = [
+    "block_partial_attention",
+    "dequantize",
+    "packed_decode_attention",
+    "quantize",
+]
+
+_FP16_MAX = 65504.0
+_LOG2E = 1.4426950408889634
+
+
+# ============================================================================ device helpers
+@triton.jit
+def _rint(v):
+    """Round half to even, like ``torch.round`` (exact for |v| < 2**23; codes are clamped before)."""
+    f = tl.floor(v)
+    diff = v - f  # exact in fp32
+    f_is_odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    up = (diff > 0.5) | ((diff == 0.5) & f_is_odd)
+    return tl.where(up, f + 1.0, f)
+
+
+@triton.jit
+def _pack_store(
+    row_ptrs,  # [R] uint8 pointers: start of each row's packed bytes
+    codes,  # [R, BLOCK_C] int32 codes in [0, 2**BITS)
+    u0,  # first pack unit of this tile inside the row
+    n_units,  # pack units per row (ceil(D / CPU))
+    row_ok,  # [R] bool
+    BITS: tl.constexpr,
+    CPU: tl.constexpr,
+    UB: tl.constexpr,
+    UBP: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Pack ``codes [R, BLOCK_C]`` and store ``U = BLOCK_C // CPU`` units of ``UB`` bytes per row."""
+    U: tl.constexpr = BLOCK_C // CPU
+    c3 = tl.reshape(codes, (R, U, CPU))
+    shifts = tl.arange(0, CPU) * BITS
+    word = tl.sum(c3 << shifts[None, None, :], axis=2)  # [R, U], bit fields do not overlap
+    k = tl.arange(0, UBP)
+    byts = (word[:, :, None] >> (k * 8)[None, None, :]) & 0xFF  # [R, U, UBP]
+    u = u0 + tl.arange(0, U)
+    offs = u[None, :, None] * UB + k[None, None, :]
+    mask = row_ok[:, None, None] & (u < n_units)[None, :, None] & (k < UB)[None, None, :]
+    tl.store(row_ptrs[:, None, None] + offs, byts.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _unpack_load(
+    row_ptrs,  # [R] uint8 pointers
+    u0,
+    n_units,
+    row_ok,  # [R] bool
+    BITS: tl.constexpr,
+    CPU: tl.constexpr,
+    UB: tl.constexpr,
+    UBP: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Load ``U = BLOCK_C // CPU`` pack units per row and unpack them to int32 codes ``[R, BLOCK_C]``."""
+    U: tl.constexpr = BLOCK_C // CPU
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    u = u0 + tl.arange(0, U)
+    k = tl.arange(0, UBP)
+    mask = row_ok[:, None, None] & (u < n_units)[None, :, None] & (k < UB)[None, None, :]
+    byts = tl.load(row_ptrs[:, None, None] + (u[None, :, None] * UB + k[None, None, :]), mask=mask, other=0)
+    word = tl.sum(byts.to(tl.int32) << (k * 8)[None, None, :], axis=2)  # [R, U]
+    shifts = tl.arange(0, CPU) * BITS
+    codes = (word[:, :, None] >> shifts[None, None, :]) & QMAX  # [R, U, CPU]
+    return tl.reshape(codes, (R, BLOCK_C))
+
+
+@triton.jit
+def _scale_zero(mn, mx, QMAX: tl.constexpr):
+    """fp16 scale / zero from fp32 group min / max, rounded exactly like the reference."""
+    scale16 = tl.math.div_rn(mx - mn, QMAX * 1.0).to(tl.float16)
+    zero16 = mn.to(tl.float16)
+    return scale16, zero16
+
+
+@triton.jit
+def _encode(x, s, z, QMAX: tl.constexpr):
+    """int32 codes ``clamp(round((x - z) / s))`` in fp32; ``s == 0`` gives code 0."""
+    safe = tl.where(s > 0, s, 1.0)
+    v = tl.math.div_rn(x - z, safe)
+    v = tl.minimum(tl.maximum(v, -1.0), QMAX + 1.0)  # same result after the clamp below; keeps _rint exact
+    q = _rint(v)
+    q = tl.where(s > 0, q, 0.0)
+    q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0)
+    return q.to(tl.int32)
+
+
+# ============================================================================ quantize kernels
+@triton.jit
+def _quantize_token_kernel(
+    X,  # [B, h, T, D] contiguous, fp16 / bf16 / fp32
+    P,  # uint8 [B, h, T, RB] contiguous, RB = packed_row_bytes(D, BITS)
+    S,  # fp16 [B, h, T, NG] contiguous, NG = D // G
+    Z,  # fp16 [B, h, T, NG]
+    FLAG,  # int32 [1]: set to 1 when a group leaves the fp16 range
+    T,
+    D: tl.constexpr,
+    RB: tl.constexpr,
+    NG: tl.constexpr,
+    G_BLOCK: tl.constexpr,  # group length in registers: G (power of two) or BLOCK_D when G == D
+    BITS: tl.constexpr,
+    CPU: tl.constexpr,
+    UB: tl.constexpr,
+    UBP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Per-token groups (``axis="token"``): groups of ``G = min(group_size, D)`` channels.
+
+    Layout: ``x [B, h, T, D]`` → codes ``uint8 [B, h, T, RB]``, scale / zero ``fp16 [B, h, T, D // G]``.
+    Grid: ``(cdiv(T, BLOCK_T), B * h)``; program ``(i, bh)`` quantizes tokens
+    ``[i * BLOCK_T, (i + 1) * BLOCK_T)`` of head-row ``bh``, a ``[BLOCK_T, BLOCK_D]`` tile
+    viewed as ``[BLOCK_T, BLOCK_D // G_BLOCK, G_BLOCK]`` for the group reductions.
+    """
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    NGB: tl.constexpr = BLOCK_D // G_BLOCK
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    t_ok = t < T
+    m2 = t_ok[:, None] & (d < D)[None, :]
+    x = tl.load(X + bh * T * D + t[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+
+    x3 = tl.reshape(x, (BLOCK_T, NGB, G_BLOCK))
+    m3 = tl.reshape(m2, (BLOCK_T, NGB, G_BLOCK))
+    mn = tl.min(tl.where(m3, x3, float("inf")), axis=2)  # [BLOCK_T, NGB]
+    mx = tl.max(tl.where(m3, x3, float("-inf")), axis=2)
+    gi = tl.arange(0, NGB)
+    g_ok = t_ok[:, None] & (gi < NG)[None, :]
+    over = g_ok & ((mn < -_FP16_MAX) | (mx > _FP16_MAX))
+    tl.atomic_max(FLAG, tl.max(tl.max(over.to(tl.int32), axis=1), axis=0))
+
+    s16, z16 = _scale_zero(mn, mx, QMAX)
+    so = bh * T * NG + t[:, None] * NG + gi[None, :]
+    tl.store(S + so, s16, mask=g_ok)
+    tl.store(Z + so, z16, mask=g_ok)
+
+    codes = _encode(x3, s16.to(tl.float32)[:, :, None], z16.to(tl.float32)[:, :, None], QMAX)
+    codes = tl.reshape(codes, (BLOCK_T, BLOCK_D))
+    row_ptrs = P + bh * T * RB + t.to(tl.int64) * RB
+    _pack_store(row_ptrs, codes, 0, (D + CPU - 1) // CPU, t_ok, BITS, CPU, UB, UBP, BLOCK_T, BLOCK_D)
+
+
+@triton.jit
+def _quantize_channel_kernel(
+    X,  # [B, h, T, D] contiguous
+    P,  # uint8 [B, h, T, RB]
+    S,  # fp16 [B, h, NGT, D], NGT = ceil((start_offset + T) / GS)
+    Z,  # fp16 [B, h, NGT, D]
+    FLAG,  # int32 [1]
+    T,
+    NGT,
+    OFF,  # start_offset: position of token 0 inside its group
+    D: tl.constexpr,
+    RB: tl.constexpr,
+    GS: tl.constexpr,
+    BITS: tl.constexpr,
+    CPU: tl.constexpr,
+    UB: tl.constexpr,
+    UBP: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
+):
+    """Per-channel groups along T (``axis="channel"``, KIVI keys), aligned to absolute positions.
+
+    Layout: ``x [B, h, T, D]`` → codes ``uint8 [B, h, T, RB]``, scale / zero ``fp16 [B, h, NGT, D]``;
+    group ``n`` holds tokens ``[n * GS - OFF, (n + 1) * GS - OFF) ∩ [0, T)``.
+    Grid: ``(NGT, cdiv(D, BLOCK_DC), B * h)``; program ``(n, c, bh)`` reduces a
+    ``[GS, BLOCK_DC]`` tile (channels ``[c * BLOCK_DC, (c + 1) * BLOCK_DC)``) over tokens and packs
+    its ``BLOCK_DC // CPU`` pack units of every row (``BLOCK_DC`` is a multiple of ``CPU``).
+    """
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    n = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    t = n * GS - OFF + tl.arange(0, GS)
+    d = pid_c * BLOCK_DC + tl.arange(0, BLOCK_DC)
+    t_ok = (t >= 0) & (t < T)
+    d_ok = d < D
+    m2 = t_ok[:, None] & d_ok[None, :]
+    x = tl.load(X + bh * T * D + t[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    mn = tl.min(tl.where(m2, x, float("inf")), axis=0)  # [BLOCK_DC]
+    mx = tl.max(tl.where(m2, x, float("-inf")), axis=0)
+    over = d_ok & ((mn < -_FP16_MAX) | (mx > _FP16_MAX))
+    tl.atomic_max(FLAG, tl.max(over.to(tl.int32), axis=0))
+
+    s16, z16 = _scale_zero(mn, mx, QMAX)
+    so = bh * NGT * D + n * D + d
+    tl.store(S + so, s16, mask=d_ok)
+    tl.store(Z + so, z16, mask=d_ok)
+
+    codes = _encode(x, s16.to(tl.float32)[None, :], z16.to(tl.float32)[None, :], QMAX)
+    row_ptrs = P + bh * T * RB + t.to(tl.int64) * RB
+    u0 = pid_c * (BLOCK_DC // CPU)
+    _pack_store(row_ptrs, codes, u0, (D + CPU - 1) // CPU, t_ok, BITS, CPU, UB, UBP, GS, BLOCK_DC)
+
+
+# ============================================================================ dequantize kernel
+@triton.jit
+def _load_dequant_tile(
+    C,  # codes of one head: uint8 [T, RB] rows (stride sc_t), or the fp tensor [T, D] when BITS == 16
+    S,  # fp16 scales of the head: [T, NG] (token axis) or [NGT, D] (channel axis), row stride ss_g
+    Z,
+    sc_t,
+    ss_g,
+    t,  # [R] token indices inside the block
+    t_ok,  # [R] bool
+    OFF,  # channel axis: start_offset
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    CHANNEL: tl.constexpr,
+    GS: tl.constexpr,  # channel axis: tokens per group
+    G: tl.constexpr,  # token axis: channels per group
+    R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Dequantized fp32 tile ``[R, BLOCK_D]`` (zeros outside ``t_ok`` / ``d < D``)."""
+    d = tl.arange(0, BLOCK_D)
+    m2 = t_ok[:, None] & (d < D)[None, :]
+    if BITS == 16:
+        x = tl.load(C + t[:, None].to(tl.int64) * sc_t + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    else:
+        if BITS == 3:
+            CPU: tl.constexpr = 8
+            UB: tl.constexpr = 3
+            UBP: tl.constexpr = 4
+        else:
+            CPU: tl.constexpr = 8 // BITS
+            UB: tl.constexpr = 1
+            UBP: tl.constexpr = 1
+        codes = _unpack_load(C + t.to(tl.int64) * sc_t, 0, (D + CPU - 1) // CPU, t_ok, BITS, CPU, UB, UBP, R, BLOCK_D)
+        if CHANNEL:
+            so = ((t + OFF) // GS)[:, None].to(tl.int64) * ss_g + d[None, :]
+        else:
+            so = t[:, None].to(tl.int64) * ss_g + (d // G)[None, :]
+        s = tl.load(S + so, mask=m2, other=0.0).to(tl.float32)
+        z = tl.load(Z + so, mask=m2, other=0.0).to(tl.float32)
+        x = tl.where(m2, codes.to(tl.float32) * s + z, 0.0)
+    return x
+
+
+@triton.jit
+def _dequantize_kernel(
+    P,  # uint8 [B, h, T, RB] contiguous
+    S,  # fp16 [B, h, T, NG] (token) or [B, h, NGT, D] (channel), contiguous
+    Z,
+    OUT,  # [B, h, T, D] contiguous, output dtype
+    T,
+    NS_ROWS,  # rows of S per head (T or NGT)
+    OFF,
+    D: tl.constexpr,
+    RB: tl.constexpr,
+    NS_COLS: tl.constexpr,  # NG or D
+    BITS: tl.constexpr,
+    CHANNEL: tl.constexpr,
+    GS: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """``code * scale + zero`` in fp32, stored in ``OUT``'s dtype (round to nearest even).
+
+    Layout: codes ``uint8 [B, h, T, RB]`` → ``[B, h, T, D]``. Grid: ``(cdiv(T, BLOCK_T), B * h)``;
+    program ``(i, bh)`` writes a ``[BLOCK_T, BLOCK_D]`` tile of tokens ``[i * BLOCK_T, ...)``.
+    """
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    x = _load_dequant_tile(
+        P + bh * T * RB, S + bh * NS_ROWS * NS_COLS, Z + bh * NS_ROWS * NS_COLS, RB, NS_COLS,
+        t, t_ok, OFF, D, BITS, CHANNEL, GS, G, BLOCK_T, BLOCK_D,
+    )
+    d = tl.arange(0, BLOCK_D)
+    m2 = t_ok[:, None] & (d < D)[None, :]
+    tl.store(OUT + bh * T * D + t[:, None].to(tl.int64) * D + d[None, :], x, mask=m2)
+
+
+# ============================================================================ host wrappers
+def _unit_params(bits: int) -> tuple[int, int, int]:
+    qt = qtype(bits)
+    ubp = 1 if qt.unit_bytes == 1 else 4
+    return qt.codes_per_unit, qt.unit_bytes, ubp
+
+
+def _token_group(group_size: int, D: int) -> tuple[int, int]:
+    """(G, G_BLOCK): channels per token-axis group, and its power-of-two extent in registers."""
+    g = channel_group_size(group_size, D)
+    if g & (g - 1) == 0:
+        return g, g
+    if g == D:
+        return g, triton.next_power_of_2(D)
+    raise ValueError(f"token-axis group length {g} must be a power of two or the whole head_dim")
+
+
+def quantize(
+    x: torch.Tensor, bits: int, group_size: int, axis: str, start_offset: int = 0, *, check_range: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x [B, h, T, D]`` to ``(packed uint8 codes, scale fp16, zero fp16)``.
+
+    Same signature, layout and values as :func:`kvplan.kernels.reference.quantize`
+    (scales / zeros bitwise equal, codes equal up to fp32 rounding of ``(x - z) / s``).
+    ``check_range`` raises like the reference when a group leaves the fp16 range (one
+    device sync); pass ``False`` to skip the check.
+    """
+    qt = qtype(bits)
+    if x.dim() != 4:
+        raise ValueError(f"expected x [B, h, T, D], got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported dtype {x.dtype}")
+    x = x.contiguous()
+    B, h, T, D = x.shape
+    cpu_, ub, ubp = _unit_params(bits)
+    rb = packed_row_bytes(D, bits)
+    packed = torch.empty(B, h, T, rb, dtype=torch.uint8, device=x.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=x.device)
+    block_d = max(triton.next_power_of_2(D), 8)
+    if axis == "token":
+        g, g_block = _token_group(group_size, D)
+        g_block = min(g_block, block_d)
+        ng = D // g
+        scale = torch.empty(B, h, T, ng, dtype=torch.float16, device=x.device)
+        zero = torch.empty_like(scale)
+        if T and B * h:
+            block_t = max(1, min(triton.next_power_of_2(T), max(1, 4096 // block_d)))
+            grid = (triton.cdiv(T, block_t), B * h)
+            _quantize_token_kernel[grid](
+                x, packed, scale, zero, flag, T,
+                D=D, RB=rb, NG=ng, G_BLOCK=g_block, BITS=bits, CPU=cpu_, UB=ub, UBP=ubp,
+                BLOCK_T=block_t, BLOCK_D=block_d,
+            )
+    elif axis == "channel":
+        if not 0 <= start_offset < group_size:
+            raise ValueError(f"start_offset {start_offset} outside [0, {group_size})")
+        if group_size & (group_size - 1):
+            raise ValueError(f"channel-axis group_size {group_size} must be a power of two")
+        n_groups = -(-(start_offset + T) // group_size)
+        scale = torch.empty(B, h, n_groups, D, dtype=torch.float16, device=x.device)
+        zero = torch.empty_like(scale)
+        if T and B * h:
+            block_dc = min(block_d, max(8, 8192 // group_size))
+            grid = (n_groups, triton.cdiv(D, block_dc), B * h)
+            _quantize_channel_kernel[grid](
+                x, packed, scale, zero, flag, T, n_groups, start_offset,
+                D=D, RB=rb, GS=group_size, BITS=bits, CPU=cpu_, UB=ub, UBP=ubp, BLOCK_DC=block_dc,
+            )
+    else:
+        raise ValueError(f"unknown quantization axis {axis!r}; expected 'token' or 'channel'")
+    if check_range and T and bool(flag.item()):
+        xf = x.float()
+        raise ValueError(
+            "KV values exceed the fp16 range of the stored scales/zero-points "
+            f"(min {xf.min().item():.4g}, max {xf.max().item():.4g}); cannot quantize this block"
+        )
+    del qt
+    return packed, scale, zero
+
+
+def dequantize(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    group_size: int,
+    axis: str,
+    head_dim: int,
+    start_offset: int = 0,
+    dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
+    """Unpack and dequantize to ``[B, h, T, D]`` in ``dtype``; see :func:`kvplan.kernels.reference.dequantize`."""
+    qtype(bits)
+    packed = packed.contiguous()
+    scale = scale.contiguous()
+    zero = zero.contiguous()
+    B, h, T, rb = packed.shape
+    D = head_dim
+    if rb != packed_row_bytes(D, bits):
+        raise ValueError(f"packed rows have {rb} bytes, expected {packed_row_bytes(D, bits)} for D={D}, bits={bits}")
+    out = torch.empty(B, h, T, D, dtype=dtype, device=packed.device)
+    if axis == "token":
+        g, _ = _token_group(group_size, D)
+        channel, gs, ns_rows, ns_cols = False, group_size, T, D // g
+    elif axis == "channel":
+        g, channel, gs, ns_rows, ns_cols = D, True, group_size, scale.shape[2], D
+    else:
+        raise ValueError(f"unknown quantization axis {axis!r}")
+    if T == 0 or B * h == 0:
+        return out
+    block_d = max(triton.next_power_of_2(D), 8)
+    block_t = max(1, min(triton.next_power_of_2(T), max(1, 4096 // block_d)))
+    grid = (triton.cdiv(T, block_t), B * h)
+    _dequantize_kernel[grid](
+        packed, scale, zero, out, T, ns_rows, start_offset,
+        D=D, RB=rb, NS_COLS=ns_cols, BITS=bits, CHANNEL=channel, GS=gs, G=g,
+        BLOCK_T=block_t, BLOCK_D=block_d,
+    )
+    return out
+
+
+# ============================================================================ fused decode attention
+@triton.jit
+def _block_partial_attn_kernel(
+    Q, sq_b, sq_h, sq_t,  # q [B, Hq, Tq, D] (last dim contiguous)
+    KC, KS, KZ, skc_b, skc_h, skc_t, sks_b, sks_h, sks_g,  # K source of one segment / head group
+    VC, VS, VZ, svc_b, svc_h, svc_t, svs_b, svs_h, svs_g,  # V source (its own head group)
+    HMAP,  # int32 [n_heads, 3]: (kv head, local head in K source, local head in V source)
+    MASK, sm_b, sm_h, sm_q, sm_t,  # additive fp32 mask [B, Hq, Tq, T_total] (broadcast dims: stride 0)
+    MO, LO, AO,  # partials: m, l fp32 [B, Hkv, M, S_total]; acc fp32 [B, Hkv, M, S_total, D]
+    so_b, so_h, so_m, sa_b, sa_h, sa_m, sa_s,
+    T_SEG,  # tokens of this segment
+    TOK_BASE,  # index of the segment's first token in the mask's last dim
+    SPLIT_LEN,  # tokens per program
+    SLOT_BASE,  # first split slot of this segment in the partial buffers
+    K_OFF, V_OFF,  # channel-axis start offsets
+    qk_scale,  # sm_scale * log2(e)
+    N_REP: tl.constexpr, TQ: tl.constexpr, D: tl.constexpr,
+    K_BITS: tl.constexpr, K_CHANNEL: tl.constexpr, K_GS: tl.constexpr, K_G: tl.constexpr,
+    V_BITS: tl.constexpr, V_CHANNEL: tl.constexpr, V_GS: tl.constexpr, V_G: tl.constexpr,
+    HAS_MASK: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Split-softmax partials of decode attention over one (K source, V source) pair.
+
+    A *source* is a quantized PackedBlock (codes ``uint8 [B, h, T, RB]`` + fp16 scale / zero,
+    token or channel axis) or a full-precision tensor ``[B, h, T, D]`` (``BITS == 16``: a
+    16-bit PackedBlock or the residual). Keys and values are dequantized tile by tile in
+    registers; nothing dequantized is written to memory.
+
+    GQA packing: the ``M = N_REP * TQ`` query rows that share KV head ``kvh`` form one tile;
+    row ``m`` is query head ``kvh * N_REP + m // TQ``, query position ``m % TQ``.
+    Grid: ``(n_splits, n_heads, B)``; program ``(s, i, b)`` handles KV head ``HMAP[i, 0]``,
+    tokens ``[s * SPLIT_LEN, min((s + 1) * SPLIT_LEN, T_SEG))`` of the segment in chunks of
+    ``BLOCK_N``, with an online softmax in the log2 domain, and writes the running max
+    ``m``, sum ``l`` and unnormalized ``acc`` to slot ``SLOT_BASE + s``.
+    """
+    pid_s = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    kvh = tl.load(HMAP + pid_h * 3).to(tl.int64)
+    kh = tl.load(HMAP + pid_h * 3 + 1).to(tl.int64)
+    vh = tl.load(HMAP + pid_h * 3 + 2).to(tl.int64)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < N_REP * TQ
+    hq = kvh * N_REP + rows // TQ
+    tq = rows % TQ
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(
+        Q + b * sq_b + hq[:, None] * sq_h + tq[:, None] * sq_t + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    ).to(tl.float32) * qk_scale
+    if DOT_F32:
+        q_dot = q
+    else:
+        q_dot = q.to(Q.dtype.element_ty)
+
+    k_c = KC + b * skc_b + kh * skc_h
+    k_s = KS + b * sks_b + kh * sks_h
+    k_z = KZ + b * sks_b + kh * sks_h
+    v_c = VC + b * svc_b + vh * svc_h
+    v_s = VS + b * svs_b + vh * svs_h
+    v_z = VZ + b * svs_b + vh * svs_h
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    t_start = pid_s * SPLIT_LEN
+    t_end = tl.minimum(t_start + SPLIT_LEN, T_SEG)
+    for n0 in range(t_start, t_end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        t_ok = t < t_end
+        k = _load_dequant_tile(k_c, k_s, k_z, skc_t, sks_g, t, t_ok, K_OFF,
+                               D, K_BITS, K_CHANNEL, K_GS, K_G, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        if DOT_F32:
+            s = tl.dot(q_dot, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q_dot, tl.trans(k.to(Q.dtype.element_ty)))  # [BLOCK_M, BLOCK_N] fp32
+        if HAS_MASK:
+            mk = tl.load(
+                MASK + b * sm_b + hq[:, None] * sm_h + tq[:, None] * sm_q + (TOK_BASE + t)[None, :].to(tl.int64) * sm_t,
+                mask=row_ok[:, None] & t_ok[None, :], other=0.0,
+            )
+            s = s + mk * 1.4426950408889634
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load_dequant_tile(v_c, v_s, v_z, svc_t, svs_g, t, t_ok, V_OFF,
+                               D, V_BITS, V_CHANNEL, V_GS, V_G, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        if DOT_F32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    slot = SLOT_BASE + pid_s
+    o = b * so_b + kvh * so_h + rows * so_m + slot
+    tl.store(MO + o, m_i, mask=row_ok)
+    tl.store(LO + o, l_i, mask=row_ok)
+    a = b * sa_b + kvh * sa_h + rows[:, None] * sa_m + slot * sa_s + d[None, :]
+    tl.store(AO + a, acc, mask=row_ok[:, None] & d_ok[None, :])
+
+
+class _Source:
+    """One side (K or V) of a launch: a PackedBlock's tensors, or a full-precision tensor."""
+
+    __slots__ = ("codes", "scale", "zero", "bits", "channel", "gs", "g", "off", "length", "heads")
+
+    def __init__(self, codes, scale, zero, bits, axis, group_size, start_offset, length, head_dim, heads):
+        self.bits = int(bits)
+        self.heads = tuple(int(h) for h in heads)
+        self.length = int(length)
+        if self.bits == FULL_PRECISION_BITS:
+            self.codes = codes if codes.stride(-1) == 1 else codes.contiguous()
+            self.scale = self.zero = self.codes  # unused placeholders
+            self.channel, self.gs, self.g, self.off = False, 1, 1, 0
+            return
+        qtype(self.bits)
+        self.codes = codes if codes.stride(-1) == 1 else codes.contiguous()
+        self.scale = scale if scale.stride(-1) == 1 else scale.contiguous()
+        self.zero = zero if zero.stride(-1) == 1 else zero.contiguous()
+        if self.zero.stride() != self.scale.stride():
+            self.scale, self.zero = self.scale.contiguous(), self.zero.contiguous()
+        if axis == "channel":
+            self.channel, self.gs, self.g, self.off = True, int(group_size), 1, int(start_offset)
+        elif axis == "token":
+            self.channel, self.gs, self.off = False, int(group_size), 0
+            self.g = channel_group_size(group_size, head_dim)
+        else:
+            raise ValueError(f"unknown quantization axis {axis!r}")
+
+    @classmethod
+    def from_block(cls, blk) -> "_Source":
+        return cls(blk.codes, blk.scale, blk.zero, blk.bits, blk.axis, blk.group_size,
+                   blk.start_offset, blk.length, blk.head_dim, blk.heads)
+
+    @classmethod
+    def from_tensor(cls, x: torch.Tensor) -> "_Source":
+        return cls(x, None, None, FULL_PRECISION_BITS, "token", 1, 0, x.shape[2], x.shape[3], range(x.shape[1]))
+
+
+_HMAP_CACHE: dict = {}
+
+
+def _hmap(rows: tuple, device) -> torch.Tensor:
+    key = (rows, str(device))
+    t = _HMAP_CACHE.get(key)
+    if t is None:
+        if len(_HMAP_CACHE) > 4096:
+            _HMAP_CACHE.clear()
+        t = torch.tensor(rows, dtype=torch.int32, device=device).reshape(-1, 3)
+        _HMAP_CACHE[key] = t
+    return t
+
+
+def block_partial_attention(
+    q: torch.Tensor,
+    k_src: _Source,
+    v_src: _Source,
+    heads: list[tuple[int, int, int]],
+    mask: torch.Tensor | None,
+    tok_base: int,
+    qk_scale: float,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    slot_base: int,
+    split_len: int,
+    block_n: int = 64,
+) -> int:
+    """Launch :func:`_block_partial_attn_kernel` for one K source / V source pair.
+
+    ``q [B, Hq, Tq, D]``; ``heads``: ``(kv head, local K head, local V head)`` for the KV heads
+    the two sources share; ``mask``: additive fp32 ``[B, Hq, Tq, T_total]`` (expanded, may have
+    zero strides) or ``None``; ``partials = (m, l, acc)`` with m, l ``[B, Hkv, M, S_total]`` and
+    acc ``[B, Hkv, M, S_total, D]`` (``M = n_rep * Tq``); writes slots
+    ``[slot_base, slot_base + n_splits)``. Returns ``n_splits = cdiv(T_seg, split_len)``.
+    """
+    B, Hq, Tq, D = q.shape
+    T_seg = k_src.length
+    if T_seg != v_src.length:
+        raise ValueError(f"K and V sources cover different token counts ({T_seg} vs {v_src.length})")
+    n_splits = triton.cdiv(T_seg, split_len)
+    if n_splits == 0 or not heads:
+        return n_splits
+    mo, lo, ao = partials
+    Hkv = mo.shape[1]
+    n_rep = Hq // Hkv
+    hmap = _hmap(tuple(x for row in heads for x in row), q.device)
+    has_mask = mask is not None
+    mk = mask if has_mask else mo
+    msb = mask.stride() if has_mask else (0, 0, 0, 0)
+    block_m = max(16, triton.next_power_of_2(n_rep * Tq))
+    block_d = max(16, triton.next_power_of_2(D))
+    kc, vc = k_src.codes, v_src.codes
+    ks, vs = k_src.scale, v_src.scale
+    grid = (n_splits, len(heads), B)
+    _block_partial_attn_kernel[grid](
+        q, q.stride(0), q.stride(1), q.stride(2),
+        kc, ks, k_src.zero, kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+        vc, vs, v_src.zero, vc.stride(0), vc.stride(1), vc.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
+        hmap,
+        mk, msb[0], msb[1], msb[2], msb[3],
+        mo, lo, ao,
+        mo.stride(0), mo.stride(1), mo.stride(2), ao.stride(0), ao.stride(1), ao.stride(2), ao.stride(3),
+        T_seg, tok_base, split_len, slot_base, k_src.off, v_src.off,
+        qk_scale,
+        N_REP=n_rep, TQ=Tq, D=D,
+        K_BITS=k_src.bits, K_CHANNEL=k_src.channel, K_GS=k_src.gs, K_G=k_src.g,
+        V_BITS=v_src.bits, V_CHANNEL=v_src.channel, V_GS=v_src.gs, V_G=v_src.g,
+        HAS_MASK=has_mask, DOT_F32=q.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return n_splits
+
+
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def _prepare_mask(attn_mask, B, Hq, Tq, T_total):
+    if attn_mask is None:
+        return None
+    m = attn_mask
+    if m.dim() != 4 or m.shape[-1] != T_total or m.shape[-2] != Tq or m.shape[1] not in (1, Hq):
+        raise ValueError(f"attn_mask must be [B, 1 or Hq, Tq, T_total] = [{B}, 1|{Hq}, {Tq}, {T_total}], got {tuple(m.shape)}")
+    if m.dtype == torch.bool:
+        m = torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill_(~m, float("-inf"))
+    else:
+        m = m.to(torch.float32)
+    return m.expand(B, Hq, Tq, T_total)
+
+
+def _choose_split(T_seg: int, n_progs_per_split: int, n_sms: int, block_n: int) -> int:
+    """Tokens per program: enough programs to fill the GPU, at least ``4 * block_n`` tokens each."""
+    want = max(1, -(-2 * n_sms // max(1, n_progs_per_split)))
+    split = -(-T_seg // want)
+    split = max(4 * block_n, -(-split // block_n) * block_n)
+    return split
+
+
+def packed_decode_attention(
+    q: torch.Tensor,
+    key_blocks,
+    value_blocks,
+    key_residual: torch.Tensor | None,
+    value_residual: torch.Tensor | None,
+    attn_mask: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    *,
+    split_len: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Decode attention straight from the packed cache: ``softmax(q kᵀ · sm_scale + mask) v``.
+
+    ``q [B, Hq, Tq, D]``; ``key_blocks`` / ``value_blocks``: per token segment (time order) a
+    list of :class:`~kvplan.runtime.storage.PackedBlock` whose heads partition the KV heads
+    (K and V groupings may differ); ``key_residual`` / ``value_residual``: full-precision
+    ``[B, Hkv, Tr, D]`` or ``None``; ``attn_mask``: additive float or bool (True = keep)
+    ``[B, 1 or Hq, Tq, T_total]`` over segment tokens then residual tokens. GQA: query head
+    ``j`` uses KV head ``j // (Hq // Hkv)``. Returns ``[B, Hq, Tq, D]`` in ``q.dtype``.
+
+    One launch of :func:`_block_partial_attn_kernel` per (K block, V block) pair of a segment
+    that share heads, plus one for the residual, all writing split-softmax partials into one
+    buffer; a log-sum-exp merge in torch finishes. ``split_len`` / ``block_n`` override the
+    tokens per program / per inner step (tests use small values to exercise many splits).
+    """
+    if q.dim() != 4:
+        raise ValueError(f"expected q [B, Hq, Tq, D], got {tuple(q.shape)}")
+    B, Hq, Tq, D = q.shape
+    if len(key_blocks) != len(value_blocks):
+        raise ValueError("key_blocks and value_blocks must list the same segments")
+    segs = []
+    Hkv = None
+    for kbs, vbs in zip(key_blocks, value_blocks):
+        ks = [_Source.from_block(b) for b in kbs]
+        vs = [_Source.from_block(b) for b in vbs]
+        hk = sorted(h for s in ks for h in s.heads)
+        hv = sorted(h for s in vs for h in s.heads)
+        if hk != list(range(len(hk))) or hv != hk:
+            raise ValueError(f"segment head groups must partition the KV heads (K {hk}, V {hv})")
+        lengths = {s.length for s in ks + vs}
+        if len(lengths) != 1:
+            raise ValueError(f"blocks of one segment cover different token counts: {sorted(lengths)}")
+        if Hkv is not None and Hkv != len(hk):
+            raise ValueError("segments disagree on the number of KV heads")
+        Hkv = len(hk)
+        segs.append((ks, vs, lengths.pop()))
+    if key_residual is not None and key_residual.shape[2] == 0:
+        key_residual = value_residual = None
+    if key_residual is not None:
+        if value_residual is None or value_residual.shape != key_residual.shape:
+            raise ValueError("key_residual and value_residual must have the same shape")
+        if Hkv is not None and key_residual.shape[1] != Hkv:
+            raise ValueError("residual and segments disagree on the number of KV heads")
+        Hkv = key_residual.shape[1]
+    if Hkv is None:
+        raise ValueError("no keys to attend to (no segments and no residual)")
+    if Hq % Hkv:
+        raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    n_rep = Hq // Hkv
+    M = n_rep * Tq
+    T_total = sum(T for _, _, T in segs) + (key_residual.shape[2] if key_residual is not None else 0)
+    if T_total == 0:
+        raise ValueError("no keys to attend to (zero tokens)")
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    qk_scale = sm_scale * _LOG2E
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    mask = _prepare_mask(attn_mask, B, Hq, Tq, T_total)
+
+    bn = block_n or (64 if q.is_cuda else 16)
+    n_sms = _num_sms(q.device)
+    plan = []  # (k_src, v_src, heads, tok_base, split)
+    tok = 0
+    parts = [(ks, vs, T) for ks, vs, T in segs]
+    if key_residual is not None:
+        parts.append(([_Source.from_tensor(key_residual)], [_Source.from_tensor(value_residual)], key_residual.shape[2]))
+    slots = 0
+    for ks, vs, T in parts:
+        if T == 0:
+            continue
+        split = split_len or _choose_split(T, B * Hkv, n_sms, bn)
+        n_splits = triton.cdiv(T, split)
+        for k_src in ks:
+            kpos = {h: i for i, h in enumerate(k_src.heads)}
+            for v_src in vs:
+                heads = [(h, kpos[h], j) for j, h in enumerate(v_src.heads) if h in kpos]
+                if heads:
+                    plan.append((k_src, v_src, heads, tok, split, slots))
+        tok += T
+        slots += n_splits
+
+    mo = torch.empty(B, Hkv, M, slots, dtype=torch.float32, device=q.device)
+    lo = torch.empty_like(mo)
+    ao = torch.empty(B, Hkv, M, slots, D, dtype=torch.float32, device=q.device)
+    for k_src, v_src, heads, tok_base, split, slot_base in plan:
+        block_partial_attention(q, k_src, v_src, heads, mask, tok_base, qk_scale, (mo, lo, ao), slot_base, split, bn)
+    return _combine(mo, lo, ao, B, Hq, Tq, D, q.dtype)
+
+
+def _combine(mo, lo, ao, B, Hq, Tq, D, dtype) -> torch.Tensor:
+    """Log-sum-exp merge of split partials (log2 domain) → ``[B, Hq, Tq, D]``."""
+    mmax = mo.amax(dim=-1, keepdim=True)
+    mmax = torch.where(torch.isfinite(mmax), mmax, torch.zeros_like(mmax))
+    w = torch.exp2(mo - mmax)  # [B, Hkv, M, S]; -inf → 0
+    l_tot = (w * lo).sum(-1)
+    out = (w.unsqueeze(-1) * ao).sum(-2) / l_tot.unsqueeze(-1)  # [B, Hkv, M, D]; fully masked row → NaN like softmax
+    return out.reshape(B, Hq, Tq, D).to(dtype)

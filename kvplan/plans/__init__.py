@@ -1,0 +1,37 @@
+"""Plans: dataclasses, YAML schema and validation, honest bpv accounting, baselines."""
+
+from ._schema import (
+    KINDS,
+    SCHEMA_VERSION,
+    BitRule,
+    Plan,
+    Provenance,
+    QuantizerSettings,
+    Reference,
+    atomic_write_text,
+)
+from .accounting import BpvBreakdown, committed_length, label_runs, layout_labels, plan_bpv, plan_bytes
+from .baselines import BASELINES, KVTUNER_PAIRS, baseline_plan, headguard_plan, layerwise_plan, uniform_plan
+
+__all__ = [
+    "BASELINES",
+    "KINDS",
+    "KVTUNER_PAIRS",
+    "SCHEMA_VERSION",
+    "BitRule",
+    "BpvBreakdown",
+    "Plan",
+    "Provenance",
+    "QuantizerSettings",
+    "Reference",
+    "atomic_write_text",
+    "baseline_plan",
+    "committed_length",
+    "headguard_plan",
+    "label_runs",
+    "layerwise_plan",
+    "layout_labels",
+    "plan_bpv",
+    "plan_bytes",
+    "uniform_plan",
+]

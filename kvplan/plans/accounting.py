@@ -1,0 +1,123 @@
+"""Honest bits-per-value accounting.
+
+Counts everything the runtime cache stores: packed codes, fp16 scales and zero-points,
+full-precision (16-bit slot) tokens, and the full-precision residual of newest tokens.
+
+The commit rule (shared with the runtime, so both see the same token layout):
+after ``T`` tokens, the oldest ``C(T) = max(0, G * floor((T - R) / G))`` tokens are
+committed (quantized), where ``G`` is the plan's group size and ``R`` its residual
+length; the rest stay in the residual. ``C`` is independent of how the tokens arrived
+(one prefill or token by token). Committed tokens are stored in runs of one modality.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ..kernels.qtypes import FULL_PRECISION_BITS, SCALE_BYTES, ZERO_BYTES, channel_group_size, packed_row_bytes
+
+
+def committed_length(total: int, residual_length: int, group_size: int) -> int:
+    """Number of oldest tokens stored quantized once ``total`` tokens were written."""
+    if total < residual_length + group_size:
+        return 0
+    return group_size * ((total - residual_length) // group_size)
+
+
+def label_runs(labels: Sequence, start: int = 0, end: int | None = None) -> list[tuple[object, int, int]]:
+    """Maximal runs ``(label, start, length)`` of equal labels in ``labels[start:end]``."""
+    end = len(labels) if end is None else end
+    runs: list[tuple[object, int, int]] = []
+    i = start
+    while i < end:
+        j = i
+        while j < end and labels[j] == labels[i]:
+            j += 1
+        runs.append((labels[i], i, j - i))
+        i = j
+    return runs
+
+
+def layout_labels(context_len: int, modality_mix) -> list[str]:
+    """Token labels for a reference layout: contiguous runs in the mix's order.
+
+    ``modality_mix`` is a mapping / sequence of ``(name, fraction)``; every run but the
+    last gets ``floor(fraction * context_len)`` tokens, the last the remainder.
+    Alternatively pass an explicit list of labels of length ``context_len``.
+    """
+    if isinstance(modality_mix, Mapping):
+        modality_mix = list(modality_mix.items())
+    modality_mix = list(modality_mix)
+    if modality_mix and isinstance(modality_mix[0], str):  # explicit per-token labels
+        if len(modality_mix) != context_len:
+            raise ValueError(f"{len(modality_mix)} labels given for context_len {context_len}")
+        return modality_mix
+    labels: list[str] = []
+    for i, (name, frac) in enumerate(modality_mix):
+        n = context_len - len(labels) if i == len(modality_mix) - 1 else int(frac * context_len)
+        labels.extend([name] * n)
+    return labels
+
+
+@dataclass(frozen=True)
+class BpvBreakdown:
+    """Bits per cached value, split by what the bytes hold. ``total`` is their sum."""
+
+    payload: float  # packed codes and 16-bit slots
+    scales_zeros: float
+    residual: float  # full-precision newest tokens
+
+    @property
+    def total(self) -> float:
+        return self.payload + self.scales_zeros + self.residual
+
+    def as_dict(self) -> dict[str, float]:
+        return {"total": self.total, "payload": self.payload, "scales_zeros": self.scales_zeros,
+                "residual": self.residual}
+
+
+def run_bytes(bits: int, axis: str, group_size: int, head_dim: int, start: int, length: int,
+              fp_bytes: int) -> tuple[int, int]:
+    """``(payload, scales_zeros)`` bytes one KV head stores for a committed run of tokens."""
+    if bits == FULL_PRECISION_BITS:
+        return length * head_dim * fp_bytes, 0
+    payload = length * packed_row_bytes(head_dim, bits)
+    if axis == "token":
+        n_scales = length * (head_dim // channel_group_size(group_size, head_dim))
+    else:
+        n_groups = -(-((start % group_size) + length) // group_size)
+        n_scales = n_groups * head_dim
+    return payload, n_scales * (SCALE_BYTES + ZERO_BYTES)
+
+
+def plan_bytes(plan, geometry, labels: Sequence[str], batch_size: int = 1, fp_bytes: int = 2) -> dict[str, int]:
+    """Bytes the runtime stores for ``plan`` after writing tokens labelled ``labels``."""
+    q = plan.quantizer
+    table = plan.table()
+    T = len(labels)
+    C = committed_length(T, q.residual_length, q.group_size)
+    unknown = sorted({lab for lab in labels[:C]} - set(plan.modalities))
+    if unknown:
+        raise ValueError(f"labels {unknown} are not modalities of the plan {list(plan.modalities)}")
+    payload = scales = 0
+    runs = label_runs(labels, 0, C)
+    for layer in range(geometry.num_layers):
+        for head in range(geometry.num_kv_heads):
+            for k, kind in enumerate(("k", "v")):
+                axis = q.axis(kind)
+                for lab, start, length in runs:
+                    bits = int(table[layer, head, k, plan.modalities.index(lab)])
+                    p, s = run_bytes(bits, axis, q.group_size, geometry.head_dim, start, length, fp_bytes)
+                    payload += p
+                    scales += s
+    residual = (T - C) * geometry.head_dim * fp_bytes * geometry.num_kv_heads * 2 * geometry.num_layers
+    return {"payload": payload * batch_size, "scales_zeros": scales * batch_size, "residual": residual * batch_size}
+
+
+def plan_bpv(plan, geometry, context_len: int, modality_mix, full_precision_bits: int = 16) -> BpvBreakdown:
+    """Honest bits per value of ``plan`` at ``context_len`` tokens laid out as ``modality_mix``."""
+    labels = layout_labels(context_len, modality_mix)
+    parts = plan_bytes(plan, geometry, labels, 1, full_precision_bits // 8)
+    n_values = geometry.num_layers * geometry.num_kv_heads * 2 * context_len * geometry.head_dim
+    return BpvBreakdown(*(8 * parts[k] / n_values for k in ("payload", "scales_zeros", "residual")))

@@ -1,0 +1,88 @@
+"""Built-in baseline plans, by name or by constructor.
+
+``fp16``; uniform KIVI-style ``int8`` / ``int4`` / ``int2`` (keys per channel, values per
+token, group 32, residual 128); ``k4v2``; any uniform plan via :func:`uniform_plan`;
+KVTuner-style per-layer (K, V) pairs via :func:`layerwise_plan`; HeadGuard-style
+protected heads via :func:`headguard_plan`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import PlanError
+from ..models.geometry import Geometry
+from ._schema import DEFAULT_MODALITY, Plan, Provenance, QuantizerSettings
+
+# name -> (key bits, value bits)
+BASELINES: dict[str, tuple[int, int]] = {
+    "fp16": (16, 16),
+    "int8": (8, 8),
+    "int4": (4, 4),
+    "int2": (2, 2),
+    "k4v2": (4, 2),
+}
+
+# KVTuner's per-layer (K bits, V bits) candidates.
+KVTUNER_PAIRS: tuple[tuple[int, int], ...] = ((8, 8), (8, 4), (4, 4), (4, 2), (2, 2))
+
+
+def uniform_plan(geometry: Geometry, key_bits: int, value_bits: int | None = None, *, group_size: int = 32,
+                 residual_length: int = 128, key_axis: str = "channel", value_axis: str = "token",
+                 modalities: Sequence[str] = (DEFAULT_MODALITY,), name: str | None = None, **plan_kwargs) -> Plan:
+    """Every slot at the same bits (``value_bits`` defaults to ``key_bits``)."""
+    value_bits = key_bits if value_bits is None else value_bits
+    modalities = tuple(modalities)
+    table = np.empty((geometry.num_layers, geometry.num_kv_heads, 2, len(modalities)), dtype=np.int64)
+    table[:, :, 0, :] = key_bits
+    table[:, :, 1, :] = value_bits
+    q = QuantizerSettings(group_size=group_size, key_axis=key_axis, value_axis=value_axis,
+                          residual_length=residual_length)
+    plan_kwargs.setdefault("provenance", Provenance(produced_by="baseline"))
+    return Plan.from_table(table, geometry, modalities, quantizer=q, name=name, **plan_kwargs)
+
+
+def baseline_plan(name: str, geometry: Geometry, **kwargs) -> Plan:
+    """A built-in baseline by name: ``fp16``, ``int8``, ``int4``, ``int2``, ``k4v2``.
+
+    Also accepts ``int4-g64`` / ``k4v2-g128`` style names for another group size.
+    """
+    base, _, suffix = name.partition("-g")
+    if base not in BASELINES or (suffix and not suffix.isdigit()):
+        raise PlanError("plan", f"unknown baseline name; known: {sorted(BASELINES)} (optionally with -g32/-g64/-g128)",
+                        name)
+    if suffix:
+        kwargs["group_size"] = int(suffix)
+    kb, vb = BASELINES[base]
+    return uniform_plan(geometry, kb, vb, name=name, **kwargs)
+
+
+def layerwise_plan(geometry: Geometry, pairs: Sequence[tuple[int, int]], **kwargs) -> Plan:
+    """KVTuner-style plan: one ``(key bits, value bits)`` pair per layer."""
+    if len(pairs) != geometry.num_layers:
+        raise PlanError("pairs", f"need one (K, V) pair per layer ({geometry.num_layers})", len(pairs))
+    plan = uniform_plan(geometry, 16, 16, **kwargs)
+    table = plan.table()
+    for layer, (kb, vb) in enumerate(pairs):
+        table[layer, :, 0, :] = kb
+        table[layer, :, 1, :] = vb
+    return plan.with_table(table)
+
+
+def headguard_plan(geometry: Geometry, protected: Sequence[tuple[int, int]], *, low_bits: tuple[int, int] = (2, 2),
+                   protected_key_bits: int = 16, protected_value_bits: int | None = None,
+                   protected_modality: str | None = None, **kwargs) -> Plan:
+    """HeadGuard-style plan: ``protected`` physical KV heads ``(layer, head)`` keep their Keys
+    (of ``protected_modality``, or all modalities) at high precision; everything else is low-bit.
+    """
+    plan = uniform_plan(geometry, low_bits[0], low_bits[1], **kwargs)
+    table = plan.table()
+    mods = [plan.modalities.index(protected_modality)] if protected_modality else list(range(len(plan.modalities)))
+    for layer, head in protected:
+        for m in mods:
+            table[layer, head, 0, m] = protected_key_bits
+            if protected_value_bits is not None:
+                table[layer, head, 1, m] = protected_value_bits
+    return plan.with_table(table)

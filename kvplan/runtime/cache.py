@@ -1,0 +1,326 @@
+"""The quantized KV cache: a transformers ``Cache`` whose storage follows a plan.
+
+Per layer and per kind (K, V) the cache holds committed :class:`Segment` s (packed,
+never re-quantized) and a full-precision residual of the newest tokens. After each
+``update`` the oldest tokens beyond the residual are committed block-wise following
+``plans.accounting.committed_length``; each committed token is stored at the bits of
+its modality, fixed at the time it entered the cache.
+
+Tokens committed during an ``update`` are returned to that forward pass at full
+precision (their first use, e.g. prefill attention); every later read sees them
+dequantized.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..errors import CacheError, PlanError
+from ..models.geometry import Geometry
+from ..plans import KINDS, Plan, committed_length, label_runs
+from .storage import PackedBlock, Segment
+
+TEXT = "text"
+
+
+class KVPlanLayer(CacheLayerMixin):
+    """One decoder layer of a :class:`KVPlanCache`."""
+
+    is_compileable = False
+    is_sliding = False  # sliding layers keep their whole history; the attention mask applies the window
+
+    def __init__(self, owner: "KVPlanCache", layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        plan = owner.plan
+        table = plan.table()[layer_idx]  # [H_kv, 2, M]
+        # kind -> modality -> [(bits, heads)] head groups sharing a quantizer setting
+        self.head_groups: dict[str, dict[str, list[tuple[int, tuple[int, ...]]]]] = {}
+        for k, kind in enumerate(KINDS):
+            self.head_groups[kind] = {}
+            for m, mod in enumerate(plan.modalities):
+                groups: dict[int, list[int]] = {}
+                for h in range(table.shape[0]):
+                    groups.setdefault(int(table[h, k, m]), []).append(h)
+                self.head_groups[kind][mod] = sorted((b, tuple(hs)) for b, hs in groups.items())
+        self.segments: dict[str, list[Segment]] = {"k": [], "v": []}
+        self.residual: dict[str, torch.Tensor | None] = {"k": None, "v": None}  # [B, H_kv, T_res, D]
+        self.residual_labels: list[str] = []
+        self.committed = 0
+
+    # ------------------------------------------------------------------ Cache layer API
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        n_kv, head_dim = key_states.shape[1], key_states.shape[-1]
+        g = self.owner.geometry
+        if n_kv != g.num_kv_heads or head_dim != g.head_dim:
+            raise CacheError(
+                f"layer {self.layer_idx}: cache receives [B, {n_kv}, T, {head_dim}] keys but the plan was made for "
+                f"{g.num_kv_heads} KV heads of head_dim {g.head_dim}"
+            )
+        self.residual = {"k": key_states[:, :, :0], "v": value_states[:, :, :0]}
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append ``[B, H_kv, T_new, D]`` states; return all keys and values ``[B, H_kv, T, D]``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        t_new = key_states.shape[-2]
+        for kind, x in (("k", key_states), ("v", value_states)):
+            if not bool(torch.isfinite(x).all()):
+                bad = (~torch.isfinite(x)).nonzero()[0].tolist()
+                raise CacheError(
+                    f"layer {self.layer_idx}: non-finite {'key' if kind == 'k' else 'value'} states arriving in the "
+                    f"cache (first at [batch {bad[0]}, kv_head {bad[1]}, new token {bad[2]}, dim {bad[3]}]); "
+                    "refusing to store them"
+                )
+        start = self.get_seq_length()
+        self.residual_labels.extend(self.owner.labels_for(start, t_new))
+        self.residual["k"] = torch.cat([self.residual["k"], key_states.to(self.dtype)], dim=-2)
+        self.residual["v"] = torch.cat([self.residual["v"], value_states.to(self.dtype)], dim=-2)
+        keys = self._read("k")
+        values = self._read("v")
+        self._commit()
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.committed + self.residual["k"].shape[-2]
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.segments = {"k": [], "v": []}
+        self.residual = {"k": None, "v": None}
+        self.residual_labels = []
+        self.committed = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        if n > self.residual["k"].shape[-2]:
+            raise CacheError(
+                f"layer {self.layer_idx}: cannot remove {n} tokens; only the {self.residual['k'].shape[-2]} newest "
+                "(full-precision residual) can be removed, older ones are already quantized"
+            )
+        for kind in KINDS:
+            self.residual[kind] = self.residual[kind][:, :, :-n]
+        del self.residual_labels[-n:]
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        for kind in KINDS:
+            self.residual[kind] = fn(self.residual[kind])
+            for seg in self.segments[kind]:
+                for block in seg.blocks:
+                    block.map_tensors(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices, ...])
+
+    def offload(self):
+        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if self.is_initialized and self.residual["k"].device != self.device:
+            self._map_batch(lambda t: t.to(self.device, non_blocking=True))
+
+    # ------------------------------------------------------------------ storage
+    def _read(self, kind: str) -> torch.Tensor:
+        """Dequantized committed tokens followed by the residual: ``[B, H_kv, T, D]``."""
+        parts = [self._decode_segment(seg) for seg in self.segments[kind]]
+        parts.append(self.residual[kind])
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
+    def _decode_segment(self, seg: Segment) -> torch.Tensor:
+        if len(seg.blocks) == 1:
+            return seg.blocks[0].decode(self.dtype)
+        res = self.residual["k"]
+        out = torch.empty(res.shape[0], res.shape[1], seg.length, res.shape[-1], dtype=self.dtype, device=res.device)
+        for block in seg.blocks:
+            out[:, list(block.heads)] = block.decode(self.dtype)
+        return out
+
+    def _commit(self) -> None:
+        q = self.owner.plan.quantizer
+        total = self.get_seq_length()
+        target = committed_length(total, q.residual_length, q.group_size)
+        n = target - self.committed
+        if n <= 0:
+            return
+        for kind in KINDS:
+            chunk = self.residual[kind][:, :, :n]
+            for label, offset, length in label_runs(self.residual_labels, 0, n):
+                start = self.committed + offset
+                x = chunk[:, :, offset : offset + length]
+                blocks = []
+                for bits, heads in self.head_groups[kind][label]:
+                    xh = x if len(heads) == x.shape[1] else x[:, list(heads)]
+                    blocks.append(PackedBlock.encode(xh, heads, bits, q.axis(kind), q.group_size, start))
+                segs = self.segments[kind]
+                if segs and segs[-1].modality == label and segs[-1].start + segs[-1].length == start:
+                    for old, new in zip(segs[-1].blocks, blocks):
+                        old.append(new)
+                    segs[-1].length += length
+                else:
+                    segs.append(Segment(label, start, length, blocks))
+            # keep only the uncommitted tail; clone so the committed full-precision copy is freed
+            self.residual[kind] = self.residual[kind][:, :, n:].clone()
+        del self.residual_labels[:n]
+        self.committed = target
+
+    # ------------------------------------------------------------------ introspection
+    def nbytes_parts(self) -> dict[str, int]:
+        parts = {"payload": 0, "scales_zeros": 0, "residual": 0}
+        if not self.is_initialized:
+            return parts
+        for kind in KINDS:
+            parts["residual"] += self.residual[kind].nbytes
+            for seg in self.segments[kind]:
+                for block in seg.blocks:
+                    for k, v in block.nbytes_parts().items():
+                        parts[k] += v
+        return parts
+
+    def stored_token_bits(self) -> Counter:
+        """Counter of ``(kind, modality, bits) -> token-heads`` over committed tokens (per batch row)."""
+        c: Counter = Counter()
+        for kind in KINDS:
+            for seg in self.segments[kind]:
+                for block in seg.blocks:
+                    c[(kind, seg.modality, block.bits)] += block.length * len(block.heads)
+        return c
+
+
+class KVPlanCache(Cache):
+    """A transformers ``Cache`` that stores K and V following a :class:`~kvplan.Plan`.
+
+    Use through ``model.generate(cache=KVPlanCache(plan, model))`` or let
+    :func:`kvplan.load` create one per ``generate`` call. Before the prefill, label the
+    prompt's tokens with :meth:`assign_labels` (``kvplan.load`` does it from
+    ``input_ids`` for VLMs); unlabelled and generated tokens are ``"text"``.
+    """
+
+    def __init__(self, plan: Plan, model_or_geometry=None):
+        geometry = plan.geometry if model_or_geometry is None else Geometry.of(model_or_geometry)
+        plan.check_geometry(geometry)
+        self.plan = plan
+        self.geometry = geometry
+        self._labels: list[str] = []
+        super().__init__(layers=[KVPlanLayer(self, i) for i in range(geometry.num_layers)])
+
+    # ------------------------------------------------------------------ modality labels
+    def assign_labels(self, labels: Sequence[str] | Sequence[Sequence[str]], attention_mask=None) -> None:
+        """Label the next tokens written to the cache (positions from the current length on).
+
+        ``labels``: one label per token, or one list per batch row (``[B][T]``). With rows,
+        padded positions (``attention_mask == 0``) take the label of the other rows; rows
+        that disagree at a position raise :class:`CacheError` (mixed layouts in one batch
+        are not supported: run them as separate batches).
+        """
+        if labels and not isinstance(labels[0], str):
+            labels = resolve_batch_labels(labels, attention_mask)
+        start = self.get_seq_length()
+        if len(self._labels) > start:
+            del self._labels[start:]
+        while len(self._labels) < start:
+            self._labels.append(TEXT)
+        self._labels.extend(self._plan_label(x, start + i) for i, x in enumerate(labels))
+
+    def _plan_label(self, label: str, position: int) -> str:
+        mods = self.plan.modalities
+        if label in mods:
+            return label
+        if len(mods) == 1:  # a modality-agnostic plan stores every token the same way
+            return mods[0]
+        raise PlanError("modalities", f"token at position {position} is labelled {label!r}, which the plan "
+                        f"does not cover (plan modalities: {list(mods)})", label)
+
+    def labels_for(self, start: int, n: int) -> list[str]:
+        default = self._plan_label(TEXT, start)
+        return [self._labels[i] if i < len(self._labels) else default for i in range(start, start + n)]
+
+    # ------------------------------------------------------------------ memory
+    def nbytes_breakdown(self) -> dict[str, int]:
+        """Bytes held now: ``payload`` (codes, 16-bit slots), ``scales_zeros``, ``residual``, ``total``."""
+        parts = {"payload": 0, "scales_zeros": 0, "residual": 0}
+        for layer in self.layers:
+            for k, v in layer.nbytes_parts().items():
+                parts[k] += v
+        parts["total"] = sum(parts.values())
+        return parts
+
+    def nbytes(self) -> int:
+        """Total bytes of K/V storage held by the cache."""
+        return self.nbytes_breakdown()["total"]
+
+    def num_values(self) -> int:
+        """Number of cached K/V values (``2 * B * layers * H_kv * T * D``)."""
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                r = layer.residual["k"]
+                total += 2 * r.shape[0] * r.shape[1] * layer.get_seq_length() * r.shape[-1]
+        return total
+
+    def bpv(self) -> float:
+        """Measured honest bits per value: ``8 * nbytes() / num_values()``."""
+        n = self.num_values()
+        return 8 * self.nbytes() / n if n else 0.0
+
+    def stored_token_bits(self) -> Counter:
+        """Counter ``(kind, modality, bits) -> token-heads`` committed, summed over layers."""
+        c: Counter = Counter()
+        for layer in self.layers:
+            c.update(layer.stored_token_bits())
+        return c
+
+    def token_bits(self, layer: int, kind: str) -> list[list[int]]:
+        """Bits each committed token is stored at, per KV head: ``[H_kv][T_committed]``."""
+        lay = self.layers[layer]
+        out = [[] for _ in range(self.geometry.num_kv_heads)]
+        for seg in lay.segments[kind]:
+            for block in seg.blocks:
+                for h in block.heads:
+                    out[h].extend([block.bits] * seg.length)
+        return out
+
+
+def resolve_batch_labels(rows: Sequence[Sequence[str]], attention_mask=None) -> list[str]:
+    """One label per position from per-row labels, ignoring padded positions."""
+    n = len(rows[0])
+    if any(len(r) != n for r in rows):
+        raise CacheError("modality label rows have different lengths")
+    mask = None if attention_mask is None else attention_mask.tolist()
+    out = []
+    for t in range(n):
+        seen = {rows[b][t] for b in range(len(rows)) if mask is None or mask[b][t]}
+        if len(seen) > 1:
+            raise CacheError(
+                f"batch rows disagree on the modality of position {t} ({sorted(seen)}); kvplan stores one modality "
+                "per position across a batch: run prompts with different image positions as separate batches"
+            )
+        out.append(seen.pop() if seen else TEXT)
+    return out
