@@ -22,6 +22,7 @@ In registers a unit's bytes are held in a power-of-two lane ``UBP`` (1, or 4 for
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -36,7 +37,7 @@ __all__ = [
     "quantize",
 ]
 
-_FP16_MAX = 65504.0
+_FP16_MAX = tl.constexpr(65504.0)
 _LOG2E = 1.4426950408889634
 
 
@@ -49,6 +50,18 @@ def _rint(v):
     f_is_odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
     up = (diff > 0.5) | ((diff == 0.5) & f_is_odd)
     return tl.where(up, f + 1.0, f)
+
+
+@triton.jit
+def _to_bf16_rne(x):
+    """fp32 → bf16, round to nearest even, by bit arithmetic.
+
+    Equivalent to ``x.to(tl.bfloat16)`` on GPU; Triton's CPU interpreter truncates instead,
+    so this keeps the interpreter bitwise equal to ``torch`` too (NaN payloads aside).
+    """
+    u = x.to(tl.uint32, bitcast=True)
+    u = u + 0x7FFF + ((u >> 16) & 1)
+    return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -259,14 +272,9 @@ def _load_dequant_tile(
     if BITS == 16:
         x = tl.load(C + t[:, None].to(tl.int64) * sc_t + d[None, :], mask=m2, other=0.0).to(tl.float32)
     else:
-        if BITS == 3:
-            CPU: tl.constexpr = 8
-            UB: tl.constexpr = 3
-            UBP: tl.constexpr = 4
-        else:
-            CPU: tl.constexpr = 8 // BITS
-            UB: tl.constexpr = 1
-            UBP: tl.constexpr = 1
+        CPU: tl.constexpr = 8 if BITS == 3 else 8 // BITS
+        UB: tl.constexpr = 3 if BITS == 3 else 1
+        UBP: tl.constexpr = 4 if BITS == 3 else 1
         codes = _unpack_load(C + t.to(tl.int64) * sc_t, 0, (D + CPU - 1) // CPU, t_ok, BITS, CPU, UB, UBP, R, BLOCK_D)
         if CHANNEL:
             so = ((t + OFF) // GS)[:, None].to(tl.int64) * ss_g + d[None, :]
@@ -294,6 +302,7 @@ def _dequantize_kernel(
     CHANNEL: tl.constexpr,
     GS: tl.constexpr,
     G: tl.constexpr,
+    OUT_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -312,6 +321,8 @@ def _dequantize_kernel(
     )
     d = tl.arange(0, BLOCK_D)
     m2 = t_ok[:, None] & (d < D)[None, :]
+    if OUT_BF16:
+        x = _to_bf16_rne(x)
     tl.store(OUT + bh * T * D + t[:, None].to(tl.int64) * D + d[None, :], x, mask=m2)
 
 
@@ -430,8 +441,9 @@ def dequantize(
     grid = (triton.cdiv(T, block_t), B * h)
     _dequantize_kernel[grid](
         packed, scale, zero, out, T, ns_rows, start_offset,
-        D=D, RB=rb, NS_COLS=ns_cols, BITS=bits, CHANNEL=channel, GS=gs, G=g,
+        D=D, RB=rb, NS_COLS=ns_cols, BITS=bits, CHANNEL=channel, GS=gs, G=g, OUT_BF16=dtype == torch.bfloat16,
         BLOCK_T=block_t, BLOCK_D=block_d,
+        enable_fp_fusion=False,  # keep code * scale + zero as two roundings, like the reference
     )
     return out
 
@@ -649,11 +661,22 @@ def block_partial_attention(
         N_REP=n_rep, TQ=Tq, D=D,
         K_BITS=k_src.bits, K_CHANNEL=k_src.channel, K_GS=k_src.gs, K_G=k_src.g,
         V_BITS=v_src.bits, V_CHANNEL=v_src.channel, V_GS=v_src.gs, V_G=v_src.g,
-        HAS_MASK=has_mask, DOT_F32=q.dtype == torch.float32,
+        HAS_MASK=has_mask, DOT_F32=_dot_in_fp32(q),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4,
     )
     return n_splits
+
+
+def _dot_in_fp32(q: torch.Tensor) -> bool:
+    """fp32 queries use exact fp32 dots; fp16 / bf16 use tensor-core dots in their dtype.
+
+    Triton's CPU interpreter (``TRITON_INTERPRET=1``) computes bf16 ``tl.dot`` wrongly, so
+    there bf16 falls back to fp32 dots (numerically at least as accurate).
+    """
+    if q.dtype == torch.float32:
+        return True
+    return q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _num_sms(device) -> int:
@@ -764,14 +787,18 @@ def packed_decode_attention(
     for ks, vs, T in parts:
         if T == 0:
             continue
-        split = split_len or _choose_split(T, B * Hkv, n_sms, bn)
-        n_splits = triton.cdiv(T, split)
+        pairs = []
         for k_src in ks:
             kpos = {h: i for i, h in enumerate(k_src.heads)}
             for v_src in vs:
                 heads = [(h, kpos[h], j) for j, h in enumerate(v_src.heads) if h in kpos]
                 if heads:
-                    plan.append((k_src, v_src, heads, tok, split, slots))
+                    pairs.append((k_src, v_src, heads))
+        # Launches of one segment run one after another: size splits for the smallest one.
+        split = split_len or _choose_split(T, B * min(len(p[2]) for p in pairs), n_sms, bn)
+        n_splits = triton.cdiv(T, split)
+        for k_src, v_src, heads in pairs:
+            plan.append((k_src, v_src, heads, tok, split, slots))
         tok += T
         slots += n_splits
 

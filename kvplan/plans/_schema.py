@@ -56,7 +56,8 @@ def _int(obj, path, lo=None, hi=None) -> int:
 
 
 def _choice(obj, path, choices) -> Any:
-    if obj not in choices or isinstance(obj, bool):
+    wrong_type = any(_is_int(c) for c in choices) and not _is_int(obj)
+    if wrong_type or isinstance(obj, bool) or obj not in choices:
         raise PlanError(path, f"must be one of {list(choices)}", obj)
     return obj
 
@@ -601,7 +602,23 @@ def _compress(table: np.ndarray, modalities) -> tuple[int, list[BitRule]]:
                     modality=modalities[sel["modality"]] if "modality" in sel else None,
                 ))
     assert np.array_equal(current, table)
-    return default, rules
+    return default, _merge_adjacent(rules)
+
+
+def _merge_adjacent(rules: list[BitRule]) -> list[BitRule]:
+    """Join neighbouring rules that differ only in their layer (or head) list."""
+    out: list[BitRule] = []
+    for r in rules:
+        prev = out[-1] if out else None
+        if prev is not None and prev.bits == r.bits and prev.kind == r.kind and prev.modality == r.modality:
+            if prev.heads == r.heads and prev.layers is not None and r.layers is not None:
+                out[-1] = replace(prev, layers=tuple(sorted(set(prev.layers) | set(r.layers))))
+                continue
+            if prev.layers == r.layers and prev.heads is not None and r.heads is not None:
+                out[-1] = replace(prev, heads=tuple(sorted(set(prev.heads) | set(r.heads))))
+                continue
+        out.append(r)
+    return out
 
 
 def _flat_rules(table: np.ndarray, modalities) -> list[BitRule]:

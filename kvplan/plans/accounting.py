@@ -62,15 +62,16 @@ def layout_labels(context_len: int, modality_mix) -> list[str]:
 
 @dataclass(frozen=True)
 class BpvBreakdown:
-    """Bits per cached value, split by what the bytes hold. ``total`` is their sum."""
+    """Bits per cached value, split by what the bytes hold.
 
+    ``total`` is computed from the total byte count (``8 * bytes / values``), so it equals
+    the runtime's measured ``cache.bpv()`` exactly, not just up to float rounding.
+    """
+
+    total: float
     payload: float  # packed codes and 16-bit slots
     scales_zeros: float
     residual: float  # full-precision newest tokens
-
-    @property
-    def total(self) -> float:
-        return self.payload + self.scales_zeros + self.residual
 
     def as_dict(self) -> dict[str, float]:
         return {"total": self.total, "payload": self.payload, "scales_zeros": self.scales_zeros,
@@ -120,4 +121,5 @@ def plan_bpv(plan, geometry, context_len: int, modality_mix, full_precision_bits
     labels = layout_labels(context_len, modality_mix)
     parts = plan_bytes(plan, geometry, labels, 1, full_precision_bits // 8)
     n_values = geometry.num_layers * geometry.num_kv_heads * 2 * context_len * geometry.head_dim
-    return BpvBreakdown(*(8 * parts[k] / n_values for k in ("payload", "scales_zeros", "residual")))
+    return BpvBreakdown(8 * sum(parts.values()) / n_values,
+                        *(8 * parts[k] / n_values for k in ("payload", "scales_zeros", "residual")))

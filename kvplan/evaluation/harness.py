@@ -1,0 +1,463 @@
+"""The historical-cache measurement protocol.
+
+A :class:`Sample` is a *history* (token ids, one modality label per token, and any extra
+prefill inputs such as ``pixel_values``) followed by *evaluated* tokens: a continuation
+``eval_ids`` and optionally a multiple-choice question (``question_ids`` + ``options``).
+
+Protocol (DESIGN.md, "What the source documents found" item 1):
+
+1. The history is prefilled ONCE at full precision with a plain ``DynamicCache``; its
+   K/V (``[1, H_kv, T_hist, D]`` per layer) and the FP logits of the evaluated tokens are
+   kept in a :class:`PreparedSample`.
+2. For each plan a fresh :class:`~kvplan.KVPlanCache` is labelled with the history's
+   modality labels and the FP history K/V is written into it layer by layer through
+   ``cache.layers[i].update(k, v)`` -- the same runtime quantize/pack code that
+   ``kvplan.load`` uses. Only the *historical* cache is quantized: the evaluated tokens
+   enter the cache during their own forward pass and are returned to it at full
+   precision (the runtime returns freshly written tokens unquantized).
+3. The evaluated rows (continuation, and question + each option) run as one right-padded
+   batch against the (batch-repeated) cache; logits at evaluated positions are compared
+   with the FP run.
+
+Metrics per sample: KL(P_fp || P_q) over the full vocabulary averaged over the
+continuation positions, NLL of the reference continuation tokens, top-1 agreement with
+FP, KL at the answer position and multiple-choice accuracy (option log-likelihood given
+history + question; FP and quantized). Aggregates carry seeded bootstrap 95% CIs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import KVPlanError
+from ..plans import KINDS, Plan, plan_bytes
+from ..runtime.cache import KVPlanCache
+from ..runtime.load import resolve_plan
+
+FULL_PRECISION_BITS = 16
+
+
+class ProtocolError(KVPlanError):
+    """A measurement would be meaningless (e.g. a condition quantized nothing)."""
+
+
+# ----------------------------------------------------------------------------- data
+@dataclass
+class Sample:
+    """One evaluation item.
+
+    ``history_ids``/``history_labels``: the historical prompt (what gets quantized).
+    ``eval_ids``: evaluated continuation; logits are compared at each of its positions and
+    its tokens ``eval_ids[1:]`` are the reference for NLL.
+    ``question_ids`` + ``options`` (+ ``answer`` index): an optional multiple-choice item
+    scored by option log-likelihood after history + question.
+    ``prefill_inputs``: extra model inputs of the history forward (VLM ``pixel_values``...).
+    """
+
+    history_ids: list[int]
+    history_labels: list[str]
+    eval_ids: list[int]
+    question_ids: list[int] | None = None
+    options: list[list[int]] | None = None
+    answer: int | None = None
+    prefill_inputs: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.history_ids) != len(self.history_labels):
+            raise ValueError(f"sample {self.meta.get('id', '?')}: {len(self.history_ids)} history tokens but "
+                             f"{len(self.history_labels)} labels")
+        if len(self.eval_ids) < 1:
+            raise ValueError(f"sample {self.meta.get('id', '?')}: needs at least one evaluated token")
+        if self.options is not None:
+            if not self.question_ids or len(self.options) < 2 or any(len(o) == 0 for o in self.options):
+                raise ValueError(f"sample {self.meta.get('id', '?')}: multiple choice needs question tokens and "
+                                 ">= 2 non-empty options")
+            if self.answer is not None and not 0 <= self.answer < len(self.options):
+                raise ValueError(f"sample {self.meta.get('id', '?')}: answer index {self.answer} out of range")
+
+
+@dataclass
+class PreparedSample:
+    """A sample whose full-precision history K/V and FP evaluated log-probs are computed."""
+
+    sample: Sample
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer ([1, H_kv, T, D], [1, H_kv, T, D])
+    rows: torch.Tensor  # [R, L_max] evaluated rows: continuation, then question + option_i
+    row_lengths: list[int]
+    position_ids: torch.Tensor  # [R, L_max] or [3, R, L_max] (mrope)
+    fp: dict[str, Any]  # FP log-probs at the scored positions and FP metrics
+
+    @property
+    def history_len(self) -> int:
+        return len(self.sample.history_ids)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+
+
+def _num_layers(model) -> int:
+    return _text_config(model).num_hidden_layers
+
+
+def _model_device(model):
+    return next(model.parameters()).device
+
+
+def _rope_owner(model):
+    """The submodule computing multimodal (3-D) RoPE positions, if any."""
+    for m in (getattr(model, "model", None), model):
+        if m is not None and hasattr(m, "get_rope_index"):
+            return m
+    return None
+
+
+def _rows(sample: Sample, pad_id: int) -> tuple[torch.Tensor, list[int]]:
+    rows = [list(sample.eval_ids)]
+    if sample.options:
+        rows += [list(sample.question_ids) + list(o) for o in sample.options]
+    lengths = [len(r) for r in rows]
+    L = max(lengths)
+    # Right padding: a valid token only attends to history + earlier valid tokens (causal),
+    # so pads after it never change its logits; their logits are never read.
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return ids, lengths
+
+
+@torch.no_grad()
+def _forward_rows(model, cache, rows: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    dev = _model_device(model)
+    out = model(input_ids=rows.to(dev), cache=cache, position_ids=position_ids.to(dev), use_cache=True)
+    return torch.log_softmax(out.logits.float(), dim=-1)  # [R, L, V]
+
+
+def _scored(logp: torch.Tensor, sample: Sample, lengths: list[int]) -> dict[str, torch.Tensor]:
+    """The log-prob slices the metrics need: continuation positions, answer position, option tokens."""
+    L_eval = len(sample.eval_ids)
+    d = {"eval": logp[0, :L_eval].contiguous()}
+    if sample.options:
+        q = len(sample.question_ids)
+        d["answer_pos"] = logp[1, q - 1].contiguous()  # [V] distribution of the first answer token
+        lls = []
+        for i, opt in enumerate(sample.options):
+            pos = torch.arange(q - 1, q - 1 + len(opt))
+            tgt = torch.tensor(opt, dtype=torch.long)
+            lls.append(logp[1 + i, pos, tgt].sum())
+        d["option_ll"] = torch.stack(lls)
+    return d
+
+
+def _kl(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
+    """KL(P || Q) per row from log-probs ``[..., V]`` (float64 accumulate)."""
+    lp64, lq64 = lp.double(), lq.double()
+    return (lp64.exp() * (lp64 - lq64)).sum(-1).clamp_min(0.0)
+
+
+def _nll(lp: torch.Tensor, eval_ids: Sequence[int]) -> float:
+    if len(eval_ids) < 2:
+        return float("nan")
+    tgt = torch.tensor(eval_ids[1:], dtype=torch.long)
+    return float(-lp[:-1].gather(-1, tgt[:, None]).double().mean())
+
+
+def _choice(option_ll: torch.Tensor, options: list[list[int]]) -> int:
+    return int(torch.argmax(option_ll).item())
+
+
+# ----------------------------------------------------------------------------- preparation
+@torch.no_grad()
+def prepare_sample(model, sample: Sample, pad_id: int = 0) -> PreparedSample:
+    """Prefill ``sample``'s history once at full precision and score the FP reference."""
+    from transformers import DynamicCache
+
+    dev = _model_device(model)
+    ids = torch.tensor([sample.history_ids], dtype=torch.long, device=dev)
+    inputs = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in sample.prefill_inputs.items()}
+    if "pixel_values" in inputs and torch.is_floating_point(inputs["pixel_values"]):
+        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    cache = DynamicCache(config=model.config)
+    rope = _rope_owner(model)
+    if rope is not None:
+        rope.rope_deltas = None
+    model(input_ids=ids, cache=cache, use_cache=True, **inputs)
+    T = ids.shape[1]
+    kv = []
+    for i in range(_num_layers(model)):
+        layer = cache.layers[i]
+        if layer.keys.shape[-2] != T:
+            raise ProtocolError(f"layer {i} of the FP prefill holds {layer.keys.shape[-2]} tokens, expected {T} "
+                                "(sliding-window caches are not supported by the protocol)")
+        kv.append((layer.keys.detach().clone(), layer.values.detach().clone()))
+    rows, lengths = _rows(sample, pad_id)
+    R, L = rows.shape
+    pos = torch.arange(T, T + L, dtype=torch.long)[None].expand(R, L)
+    deltas = getattr(rope, "rope_deltas", None) if rope is not None else None
+    if deltas is not None:  # mrope: text tokens after the history share one position on all 3 axes
+        pos = (pos + deltas.reshape(-1)[0].to("cpu").long())[None].expand(3, R, L)
+    prepared = PreparedSample(sample, kv, rows, lengths, pos.contiguous(), {})
+    fp_cache = _fp_cache(model, prepared, R)
+    logp = _forward_rows(model, fp_cache, rows, pos)
+    sc = _scored(logp, sample, lengths)
+    fp = {"scored": sc, "nll": _nll(sc["eval"], sample.eval_ids)}
+    if sample.options:
+        fp["choice"] = _choice(sc["option_ll"], sample.options)
+        fp["correct"] = None if sample.answer is None else float(fp["choice"] == sample.answer)
+    prepared.fp = fp
+    return prepared
+
+
+def _fp_cache(model, prepared: PreparedSample, repeats: int):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(prepared.kv):
+        cache.layers[i].update(k.clone(), v.clone())
+    if repeats > 1:
+        cache.batch_repeat_interleave(repeats)
+    return cache
+
+
+def prepare_samples(model, samples: Sequence[Sample], pad_id: int = 0, progress: bool = True) -> list[PreparedSample]:
+    from tqdm.auto import tqdm
+
+    return [prepare_sample(model, s, pad_id) for s in tqdm(samples, desc="FP prefill", disable=not progress,
+                                                             leave=False)]
+
+
+# ----------------------------------------------------------------------------- caches
+def build_plan_cache(model, plan: Plan, prepared: PreparedSample) -> KVPlanCache:
+    """A :class:`KVPlanCache` holding ``prepared``'s history, quantized by the runtime code."""
+    cache = KVPlanCache(plan, model)
+    cache.assign_labels(prepared.sample.history_labels)
+    for i, (k, v) in enumerate(prepared.kv):
+        cache.layers[i].update(k, v)
+    return cache
+
+
+def fp_slot_bytes(cache: KVPlanCache) -> int:
+    """Bytes of committed 16-bit (unquantized) slots in ``cache`` (held in the model dtype)."""
+    n = 0
+    for layer in cache.layers:
+        for kind in KINDS:
+            for seg in getattr(layer, "segments", {}).get(kind, []):
+                for block in seg.blocks:
+                    if block.bits == FULL_PRECISION_BITS:
+                        n += block.codes.nbytes
+    return n
+
+
+def cache_stats(cache: KVPlanCache, prepared: PreparedSample, plan: Plan) -> dict[str, Any]:
+    """What the cache actually stores for the history: quantized tokens per (kind, modality,
+    bits) -- in tokens and in raw token-heads-layers -- and honest bpv from its real bytes."""
+    g = cache.geometry
+    raw = cache.stored_token_bits()  # (kind, modality, bits) -> token-heads summed over layers
+    per = g.num_layers * g.num_kv_heads
+    tokens: dict[str, dict[str, dict[str, float]]] = {}
+    quantized: dict[str, dict[str, float]] = {}
+    for (kind, mod, bits), n in sorted(raw.items()):
+        tokens.setdefault(kind, {}).setdefault(mod, {})[str(bits)] = n / per
+        if bits < FULL_PRECISION_BITS:
+            quantized.setdefault(kind, {}).setdefault(mod, 0.0)
+            quantized[kind][mod] += n / per
+    parts = cache.nbytes_breakdown()
+    nvals = cache.num_values()
+    elem = prepared.kv[0][0].element_size()
+    fp_bytes = fp_slot_bytes(cache) + parts["residual"]
+    bytes16 = parts["total"] - fp_bytes + fp_bytes * 2 // elem
+    expected = plan_bytes(plan, g, cache.labels_for(0, prepared.history_len), fp_bytes=2)
+    out = {
+        "history_tokens": prepared.history_len,
+        "history_modalities": dict(Counter(prepared.sample.history_labels)),
+        "token_bits": tokens,  # kind -> modality -> bits -> tokens (per layer and head)
+        "quantized_tokens": quantized,  # kind -> modality -> tokens stored below 16 bits
+        "raw_token_bits": {f"{k}/{m}/{b}": int(n) for (k, m, b), n in sorted(raw.items())},
+        "nbytes": parts,
+        "num_values": nvals,
+        "bpv_measured": cache.bpv(),  # 8 * real bytes / values, full precision held in the model dtype
+        "bpv": 8 * bytes16 / nvals if nvals else 0.0,  # same bytes with full precision counted at 16 bits
+        "storage_bits": 8 * elem,
+    }
+    # what plans.accounting predicts for this layout at 16-bit storage: must equal "bpv"
+    out["bpv_accounting"] = 8 * sum(expected.values()) / nvals if nvals else 0.0
+    return out
+
+
+def check_quantized(stats: dict, expect: Iterable[tuple[str, str]] | None, where: str = "") -> None:
+    """Raise :class:`ProtocolError` if a ``(kind, modality)`` meant to be quantized has zero tokens quantized."""
+    for kind, mod in expect or ():
+        n = stats["quantized_tokens"].get(kind, {}).get(mod, 0.0)
+        if n <= 0:
+            present = stats["history_modalities"].get(mod, 0)
+            raise ProtocolError(
+                f"{where}condition meant to quantize {'keys' if kind == 'k' else 'values'} of modality {mod!r} "
+                f"quantized zero of its tokens (history has {present} {mod!r} tokens of "
+                f"{stats['history_tokens']}; tokens inside the full-precision residual or the trailing partial "
+                "group are never quantized)")
+
+
+def intended_quantized(plan: Plan) -> list[tuple[str, str]]:
+    """``(kind, modality)`` pairs the plan stores below 16 bits somewhere."""
+    t = plan.table()
+    out = []
+    for k, kind in enumerate(KINDS):
+        for m, mod in enumerate(plan.modalities):
+            if (t[:, :, k, m] < FULL_PRECISION_BITS).any():
+                out.append((kind, mod))
+    return out
+
+
+# ----------------------------------------------------------------------------- scoring
+def _metrics(prepared: PreparedSample, sc: dict[str, torch.Tensor]) -> dict[str, float]:
+    s = prepared.sample
+    fp = prepared.fp["scored"]
+    kl = _kl(fp["eval"], sc["eval"])
+    out = {
+        "kl": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "nll": _nll(sc["eval"], s.eval_ids),
+        "nll_fp": prepared.fp["nll"],
+        "top1": float((fp["eval"].argmax(-1) == sc["eval"].argmax(-1)).double().mean()),
+    }
+    out["delta_nll"] = out["nll"] - out["nll_fp"]
+    if s.options:
+        out["kl_answer"] = float(_kl(fp["answer_pos"], sc["answer_pos"]))
+        choice = _choice(sc["option_ll"], s.options)
+        out["choice_agree"] = float(choice == prepared.fp["choice"])
+        if s.answer is not None:
+            out["acc"] = float(choice == s.answer)
+            out["acc_fp"] = prepared.fp["correct"]
+    return out
+
+
+@torch.no_grad()
+def score_cache(model, prepared: PreparedSample, cache) -> dict[str, float]:
+    """Run the evaluated rows of ``prepared`` against ``cache`` (history already written, batch 1)."""
+    R = prepared.rows.shape[0]
+    if R > 1:
+        cache.batch_repeat_interleave(R)
+    logp = _forward_rows(model, cache, prepared.rows, prepared.position_ids)
+    return _metrics(prepared, _scored(logp, prepared.sample, prepared.row_lengths))
+
+
+@torch.no_grad()
+def evaluate_plan_sample(model, plan: Plan, prepared: PreparedSample,
+                         expect_quantized: Iterable[tuple[str, str]] | None = None) -> dict[str, Any]:
+    cache = build_plan_cache(model, plan, prepared)
+    stats = cache_stats(cache, prepared, plan)
+    check_quantized(stats, expect_quantized, where=f"sample {prepared.sample.meta.get('id', '?')}: ")
+    metrics = score_cache(model, prepared, cache)
+    return {"metrics": metrics, "cache": stats}
+
+
+# ----------------------------------------------------------------------------- aggregation
+def bootstrap_ci(values: Sequence[float], n_boot: int = 2000, seed: int = 0, stat: Callable = np.mean,
+                 alpha: float = 0.05) -> tuple[float, float, float]:
+    """``(statistic, low, high)``: percentile bootstrap over samples (seeded)."""
+    x = np.asarray([v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))], float)
+    if x.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    est = float(stat(x))
+    if x.size == 1:
+        return est, est, est
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, x.size, size=(n_boot, x.size))
+    boots = np.array([stat(x[i]) for i in idx]) if stat is not np.mean else x[idx].mean(axis=1)
+    lo, hi = np.quantile(boots, [alpha / 2, 1 - alpha / 2])
+    return est, float(lo), float(hi)
+
+
+def bootstrap_ratio(num: Sequence[float], den: Sequence[float], n_boot: int = 2000, seed: int = 0,
+                    alpha: float = 0.05) -> tuple[float, float, float]:
+    """Ratio of means ``mean(num) / mean(den)`` with a paired (same samples) bootstrap CI."""
+    a, b = np.asarray(num, float), np.asarray(den, float)
+    if a.shape != b.shape or a.size == 0:
+        raise ValueError("bootstrap_ratio needs paired, non-empty per-sample values")
+    est = float(a.mean() / b.mean()) if b.mean() > 0 else float("inf")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, a.size, size=(n_boot, a.size))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = a[idx].mean(1) / b[idx].mean(1)
+    lo, hi = np.quantile(r, [alpha / 2, 1 - alpha / 2])
+    return est, float(lo), float(hi)
+
+
+METRIC_KEYS = ("kl", "kl_max", "nll", "nll_fp", "delta_nll", "top1", "kl_answer", "acc", "acc_fp", "choice_agree")
+
+
+def aggregate(per_sample: Sequence[dict[str, Any]], seed: int = 0, n_boot: int = 2000) -> dict[str, Any]:
+    """Means with bootstrap 95% CIs over samples, plus summed cache statistics."""
+    out: dict[str, Any] = {"n": len(per_sample)}
+    for k in METRIC_KEYS:
+        vals = [r["metrics"][k] for r in per_sample if r["metrics"].get(k) is not None]
+        if vals:
+            m, lo, hi = bootstrap_ci(vals, n_boot=n_boot, seed=seed)
+            out[k] = {"mean": m, "ci95": [lo, hi]}
+    # quantized history tokens: summed over samples (tokens), per kind and modality
+    q: dict[str, dict[str, float]] = {}
+    tb: dict[str, dict[str, dict[str, float]]] = {}
+    raw: Counter = Counter()
+    for r in per_sample:
+        c = r["cache"]
+        for kind, mods in c["quantized_tokens"].items():
+            for mod, n in mods.items():
+                q.setdefault(kind, {}).setdefault(mod, 0.0)
+                q[kind][mod] += n
+        for kind, mods in c["token_bits"].items():
+            for mod, bits in mods.items():
+                for b, n in bits.items():
+                    tb.setdefault(kind, {}).setdefault(mod, {}).setdefault(b, 0.0)
+                    tb[kind][mod][b] += n
+        raw.update(c["raw_token_bits"])
+    out["quantized_tokens"] = q
+    out["token_bits"] = tb
+    out["raw_token_bits"] = dict(sorted(raw.items()))
+    out["history_tokens"] = int(sum(r["cache"]["history_tokens"] for r in per_sample))
+    nbytes = Counter()
+    for r in per_sample:
+        nbytes.update(r["cache"]["nbytes"])
+    nvals = sum(r["cache"]["num_values"] for r in per_sample)
+    out["nbytes"] = dict(nbytes)
+    out["num_values"] = nvals
+    # pooled over samples: total bits / total values
+    out["bpv"] = sum(r["cache"]["bpv"] * r["cache"]["num_values"] for r in per_sample) / nvals if nvals else 0.0
+    out["bpv_measured"] = 8 * nbytes["total"] / nvals if nvals else 0.0
+    out["storage_bits"] = per_sample[0]["cache"]["storage_bits"] if per_sample else None
+    return out
+
+
+def evaluate(model, plan, prepared: Sequence[PreparedSample], *, expect_quantized="auto", seed: int = 0,
+             progress: bool = True, desc: str | None = None, keep_samples: bool = True) -> dict[str, Any]:
+    """Evaluate one plan (a :class:`Plan`, YAML path or baseline name) on prepared samples.
+
+    ``expect_quantized``: ``(kind, modality)`` pairs that must have quantized tokens;
+    ``"auto"`` = every pair the plan stores below 16 bits that occurs in the history.
+    """
+    from tqdm.auto import tqdm
+
+    plan = resolve_plan(plan, model)
+    per = []
+    for p in tqdm(prepared, desc=desc or (plan.name or "plan"), disable=not progress, leave=False):
+        exp = expect_quantized
+        if exp == "auto":
+            present = set(p.sample.history_labels)
+            exp = [(k, m) for k, m in intended_quantized(plan) if m in present or len(plan.modalities) == 1]
+        r = evaluate_plan_sample(model, plan, p, exp)
+        r["id"] = p.sample.meta.get("id")
+        per.append(r)
+    agg = aggregate(per, seed=seed)
+    agg["plan"] = plan.name
+    if keep_samples:
+        agg["samples"] = [{"id": r["id"], **r["metrics"], "bpv": r["cache"]["bpv"],
+                           "quantized_tokens": r["cache"]["quantized_tokens"]} for r in per]
+    return agg

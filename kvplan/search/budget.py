@@ -1,0 +1,248 @@
+"""The budget: honest bits per value at the plan's reference, and the repair step.
+
+Honest bpv (``Plan.bpv().total``, see :mod:`kvplan.plans.accounting`) is a sum of
+independent per-slot byte counts plus the full-precision residual, so for one quantizer
+setting it is *linear* in the slot choices:
+``bpv = const(q) + sum_slots cost(q, kind, modality, bits)``. :class:`BpvModel` tabulates
+those terms once per quantizer setting (from the same ``run_bytes`` the accounting uses)
+and evaluates any table in microseconds; tests check it equals ``Plan.bpv().total``.
+
+:func:`repair` makes any proposal feasible: if even the all-lowest-bits table of its
+quantizer setting is over budget it switches to the closest feasible setting, then it
+lowers groups one level at a time, the lowest predicted damage per bit saved first,
+until the plan fits. A real evaluation is never spent on an over-budget plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import KVPlanError
+from ..kernels.qtypes import FULL_PRECISION_BITS, SUPPORTED_BITS
+from ..plans import QuantizerSettings, Reference, committed_length, label_runs, layout_labels
+from ..plans.accounting import run_bytes
+from .space import SearchSpace
+
+EPS = 1e-9
+_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(bpv|bits?)?\s*$", re.IGNORECASE)
+
+
+class BudgetError(KVPlanError, ValueError):
+    """The budget cannot be parsed or no plan in the search space reaches it."""
+
+
+def parse_budget(budget) -> float:
+    """``"2.5bpv"``, ``"2.5 bpv"``, ``"2.5"`` or ``2.5`` -> ``2.5`` (honest bits per value)."""
+    if isinstance(budget, bool):
+        raise BudgetError(f"budget must be a number of bits per value like '2.5bpv', got {budget!r}")
+    if isinstance(budget, (int, float)):
+        value = float(budget)
+    elif isinstance(budget, str):
+        m = _BUDGET_RE.match(budget)
+        if not m:
+            raise BudgetError(f"budget {budget!r} is not a number of bits per value like '2.5bpv' or '2.5'")
+        value = float(m.group(1))
+    else:
+        raise BudgetError(f"budget must be a number of bits per value like '2.5bpv', got {budget!r}")
+    if not (value > 0 and np.isfinite(value)):
+        raise BudgetError(f"budget must be a positive number of bits per value, got {budget!r}")
+    return value
+
+
+def quantization_damage(bits, bmin: int) -> np.ndarray:
+    """Relative damage prior of storing at ``bits`` vs ``bmin``: squared step size ratio
+    ``((2^bmin - 1) / (2^bits - 1))^2``, and 0 at full precision (16)."""
+    b = np.asarray(bits, dtype=np.float64)
+    out = ((2.0 ** bmin - 1) / (2.0 ** b - 1)) ** 2
+    return np.where(b >= FULL_PRECISION_BITS, 0.0, out)
+
+
+@dataclass
+class _QTerms:
+    quantizer: QuantizerSettings
+    const: float  # residual bits per value
+    group_cost: np.ndarray  # float [n_groups, max_levels] (inf padding)
+    floor: float  # bpv with every group at level 0
+
+
+class BpvModel:
+    """Exact, vectorized honest bpv of a search space's plans at one reference."""
+
+    def __init__(self, space: SearchSpace, reference: Reference):
+        self.space = space
+        self.reference = reference
+        g = space.geometry
+        self.labels = layout_labels(reference.context_len, reference.modality_mix)
+        self.n_values = g.num_layers * g.num_kv_heads * 2 * reference.context_len * g.head_dim
+        self._terms: dict[tuple, _QTerms] = {}
+        for q in space.quantizers():
+            self._terms[self._key(q)] = self._build(q)
+
+    @staticmethod
+    def _key(q: QuantizerSettings) -> tuple:
+        return (q.group_size, q.key_axis, q.value_axis, q.residual_length)
+
+    def slot_costs(self, q: QuantizerSettings) -> np.ndarray:
+        """bpv contributed by each slot at each supported bit width: float ``[n_slots, len(SUPPORTED_BITS)]``."""
+        g = self.space.geometry
+        fp_bytes = self.reference.full_precision_bits // 8
+        T = len(self.labels)
+        C = committed_length(T, q.residual_length, q.group_size)
+        runs = label_runs(self.labels, 0, C)
+        per = np.zeros((2, len(self.space.modalities), len(SUPPORTED_BITS)))
+        for k, kind in enumerate(("k", "v")):
+            for m, mod in enumerate(self.space.modalities):
+                for bi, bits in enumerate(SUPPORTED_BITS):
+                    tot = 0
+                    for lab, start, length in runs:
+                        if lab == mod:
+                            p, s = run_bytes(bits, q.axis(kind), q.group_size, g.head_dim, start, length, fp_bytes)
+                            tot += p + s
+                    per[k, m, bi] = 8.0 * tot / self.n_values
+        L, H, _, M = self.space.shape
+        return np.broadcast_to(per[None, None], (L, H, 2, M, len(SUPPORTED_BITS))).reshape(-1, len(SUPPORTED_BITS))
+
+    def _build(self, q: QuantizerSettings) -> _QTerms:
+        g = self.space.geometry
+        T = len(self.labels)
+        C = committed_length(T, q.residual_length, q.group_size)
+        const = 8.0 * (T - C) * g.head_dim * (self.reference.full_precision_bits // 8) * g.num_kv_heads * 2 \
+            * g.num_layers / self.n_values
+        sc = self.slot_costs(q)
+        bit_col = {b: i for i, b in enumerate(SUPPORTED_BITS)}
+        groups = self.space.groups
+        max_lv = max(gr.n_levels for gr in groups)
+        cost = np.full((len(groups), max_lv), np.inf)
+        for gi, gr in enumerate(groups):
+            cols = np.vectorize(bit_col.__getitem__)(gr.level_bits)  # [n_levels, n_slots]
+            cost[gi, : gr.n_levels] = sc[gr.slots[None, :], cols].sum(axis=1)
+        return _QTerms(q, const, cost, const + float(cost[:, 0].sum()))
+
+    def terms(self, q: QuantizerSettings) -> _QTerms:
+        try:
+            return self._terms[self._key(q)]
+        except KeyError:
+            raise KVPlanError(f"quantizer {q} is not in the search space") from None
+
+    def bpv(self, levels, q: QuantizerSettings) -> float:
+        t = self.terms(q)
+        lv = np.asarray(levels, dtype=np.int64)
+        return t.const + float(t.group_cost[np.arange(len(lv)), lv].sum())
+
+    def floor(self, q: QuantizerSettings) -> float:
+        return self.terms(q).floor
+
+    def cheapest(self) -> tuple[float, QuantizerSettings]:
+        """The lowest bpv any plan of the space reaches, and its quantizer setting."""
+        t = min(self._terms.values(), key=lambda t: t.floor)
+        return t.floor, t.quantizer
+
+    def feasible_quantizers(self, budget: float) -> list[QuantizerSettings]:
+        return [t.quantizer for t in self._terms.values() if t.floor <= budget + EPS]
+
+    def check_budget(self, budget: float) -> None:
+        """Raise :class:`BudgetError` naming the cheapest reachable bpv when ``budget`` is below it."""
+        lo, q = self.cheapest()
+        if budget + EPS < lo:
+            ref = self.reference
+            raise BudgetError(
+                f"budget {budget:g} bpv is below the cheapest reachable plan in this search space: {lo:.4f} bpv "
+                f"(every slot at {self.space.bits[0]} bits, group_size {q.group_size}, residual_length "
+                f"{q.residual_length}, at context_len {ref.context_len}); raise the budget or widen the space "
+                f"(bits, group_sizes, residual_lengths)")
+
+
+def group_damage(space: SearchSpace, slot_sensitivity: np.ndarray | None) -> np.ndarray:
+    """Predicted damage of each group at each level: ``float [n_groups, max_levels]`` (inf padding).
+
+    ``slot_sensitivity[slot]`` is the damage of that slot at the lowest candidate bits (from
+    the sensitivity profile); ``None`` means every slot equally sensitive.
+    """
+    n_slots = int(np.prod(space.shape))
+    s = np.ones(n_slots) if slot_sensitivity is None else np.asarray(slot_sensitivity, dtype=np.float64).ravel()
+    bmin = space.bits[0]
+    max_lv = max(g.n_levels for g in space.groups)
+    out = np.full((len(space.groups), max_lv), np.inf)
+    for gi, g in enumerate(space.groups):
+        out[gi, : g.n_levels] = (quantization_damage(g.level_bits, bmin) * s[g.slots][None, :]).sum(axis=1)
+    return out
+
+
+def closest_feasible_quantizer(model: BpvModel, q: QuantizerSettings, budget: float) -> QuantizerSettings:
+    """``q`` if its floor fits, else the feasible setting changing the fewest fields (then the dearest floor,
+    i.e. the least aggressive change)."""
+    if model.floor(q) <= budget + EPS:
+        return q
+    feas = model.feasible_quantizers(budget)
+    if not feas:
+        model.check_budget(budget)
+    def rank(c):
+        changed = sum(getattr(c, f) != getattr(q, f) for f in ("group_size", "key_axis", "residual_length"))
+        return (changed, -model.floor(c), c.group_size, c.residual_length)
+    return min(feas, key=rank)
+
+
+def repair(model: BpvModel, levels, q: QuantizerSettings, budget: float,
+           damage: np.ndarray) -> tuple[np.ndarray, QuantizerSettings, bool]:
+    """Lower a proposal until it fits ``budget``: returns ``(levels, quantizer, changed)``.
+
+    Groups step down one level at a time, the step with the least predicted damage per
+    bpv saved first (a heap; each group's next step depends only on that group).
+    """
+    levels = np.array(levels, dtype=np.int64)
+    q2 = closest_feasible_quantizer(model, q, budget)
+    changed = q2 != q
+    t = model.terms(q2)
+    idx = np.arange(len(levels))
+    total = t.const + float(t.group_cost[idx, levels].sum())
+    if total <= budget + EPS:
+        return levels, q2, changed
+
+    def key(gi):
+        lv = levels[gi]
+        d_cost = t.group_cost[gi, lv] - t.group_cost[gi, lv - 1]
+        d_dmg = damage[gi, lv - 1] - damage[gi, lv]
+        if d_cost <= 0:
+            return (1, -d_cost, gi)  # saves nothing: last resort
+        return (0, d_dmg / d_cost, gi)
+
+    heap = [key(gi) for gi in idx if levels[gi] > 0]
+    heapq.heapify(heap)
+    while total > budget + EPS and heap:
+        _, _, gi = heapq.heappop(heap)
+        lv = levels[gi]
+        total += t.group_cost[gi, lv - 1] - t.group_cost[gi, lv]
+        levels[gi] = lv - 1
+        if levels[gi] > 0:
+            heapq.heappush(heap, key(gi))
+    assert total <= budget + EPS, "repair could not reach a budget the quantizer's floor fits"
+    return levels, q2, True
+
+
+def knapsack_seed(model: BpvModel, q: QuantizerSettings, budget: float, damage: np.ndarray) -> np.ndarray:
+    """Greedy multiple-choice knapsack: start at the floor, repeatedly take the upgrade (to any higher
+    level) with the most predicted damage removed per bpv spent that still fits; returns levels."""
+    t = model.terms(q)
+    n = len(model.space.groups)
+    levels = np.zeros(n, dtype=np.int64)
+    slack = budget - t.floor
+    if slack < -EPS:
+        raise BudgetError(f"quantizer {q} cannot reach {budget:g} bpv (floor {t.floor:.4f})")
+    idx = np.arange(n)
+    cost = np.where(np.isfinite(t.group_cost), t.group_cost, np.inf)
+    dmg = np.where(np.isfinite(damage), damage, np.inf)
+    while True:
+        d_cost = cost - cost[idx, levels][:, None]  # [n, max_lv]
+        d_dmg = dmg[idx, levels][:, None] - dmg
+        ok = (d_cost > 0) & (d_cost <= slack + EPS) & (d_dmg > 0) & np.isfinite(d_cost)
+        if not ok.any():
+            break
+        ratio = np.where(ok, d_dmg / np.where(ok, d_cost, 1.0), -np.inf)
+        gi, lv = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
+        slack -= d_cost[gi, lv]
+        levels[gi] = lv
+    return levels

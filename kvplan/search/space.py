@@ -1,0 +1,207 @@
+"""The search space: which slots share one searched bit parameter, and the plan-wide quantizer.
+
+A *group* is a set of slots ``(layer, kv_head, kind, modality)`` driven by one Optuna
+parameter. The parameter is an integer *level* (an index into the group's ordered list of
+bit settings), so samplers see the order ``2 < 3 < 4 < 8 < 16`` (ordinal, not categorical).
+
+Granularities:
+
+- ``"slot"``     one parameter per slot (the full table; ``L * H * 2 * M`` parameters);
+- ``"layer_kv"`` one per (layer, kind): all heads and modalities of a layer's K (or V);
+- ``"layer"``    one per layer: K and V of the layer share the bits;
+- ``"kvtuner"``  one per layer choosing a (K bits, V bits) pair from KVTuner's candidates
+  (:data:`kvplan.plans.KVTUNER_PAIRS`), ordered by cost.
+
+The plan-wide quantizer fields (group size, key axis, residual length) are searched as
+categorical parameters ``q.group_size`` / ``q.key_axis`` / ``q.residual_length`` when more
+than one choice is given, otherwise fixed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
+
+from ..errors import KVPlanError
+from ..kernels.qtypes import GROUP_SIZES, SUPPORTED_BITS
+from ..models.geometry import Geometry
+from ..plans import KINDS, KVTUNER_PAIRS, Plan, Provenance, QuantizerSettings, Reference
+
+GRANULARITIES = ("slot", "layer_kv", "layer", "kvtuner")
+DEFAULT_BITS = (2, 3, 4, 8, 16)
+DEFAULT_GROUP_SIZES = GROUP_SIZES  # (32, 64, 128)
+DEFAULT_RESIDUAL_LENGTHS = (0, 32, 128)
+DEFAULT_KEY_AXES = ("channel",)
+Q_PARAMS = ("q.group_size", "q.key_axis", "q.residual_length")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One searched parameter: ``slots`` (flat indices into the bit table) and, per level,
+    the bits each of those slots gets (``level_bits[level, i]``)."""
+
+    name: str
+    slots: np.ndarray  # int [n_slots]
+    level_bits: np.ndarray  # int [n_levels, n_slots], rows in increasing cost order
+
+    @property
+    def n_levels(self) -> int:
+        return self.level_bits.shape[0]
+
+
+class SearchSpace:
+    """Search parameters ↔ bit tables ↔ plans, for one geometry and modality set."""
+
+    def __init__(self, geometry: Geometry, modalities: Sequence[str] = ("text",), granularity: str = "slot",
+                 bits: Sequence[int] = DEFAULT_BITS, group_sizes: Sequence[int] = DEFAULT_GROUP_SIZES,
+                 residual_lengths: Sequence[int] = DEFAULT_RESIDUAL_LENGTHS,
+                 key_axes: Sequence[str] = DEFAULT_KEY_AXES, value_axis: str = "token",
+                 pairs: Sequence[tuple[int, int]] = KVTUNER_PAIRS):
+        if granularity not in GRANULARITIES:
+            raise KVPlanError(f"granularity {granularity!r} is not one of {list(GRANULARITIES)}")
+        bits = tuple(sorted(set(int(b) for b in bits)))
+        bad = [b for b in bits if b not in SUPPORTED_BITS]
+        if bad or not bits:
+            raise KVPlanError(f"candidate bits {list(bits)} must be a non-empty subset of {list(SUPPORTED_BITS)}")
+        for name, vals, allowed in (("group_sizes", group_sizes, GROUP_SIZES), ("key_axes", key_axes,
+                                                                                ("channel", "token"))):
+            if not vals or any(v not in allowed for v in vals):
+                raise KVPlanError(f"{name} {list(vals)} must be a non-empty subset of {list(allowed)}")
+        if not residual_lengths or any((not isinstance(r, int)) or r < 0 for r in residual_lengths):
+            raise KVPlanError(f"residual_lengths {list(residual_lengths)} must be non-negative integers")
+        self.geometry = geometry
+        self.modalities = tuple(modalities)
+        self.granularity = granularity
+        self.bits = bits
+        self.group_sizes = tuple(sorted(set(group_sizes)))
+        self.residual_lengths = tuple(sorted(set(residual_lengths)))
+        self.key_axes = tuple(dict.fromkeys(key_axes))
+        self.value_axis = value_axis
+        self.pairs = tuple(sorted({tuple(p) for p in pairs}, key=lambda p: (p[0] + p[1], p[0])))
+        self.shape = (geometry.num_layers, geometry.num_kv_heads, 2, len(self.modalities))
+        self.groups: list[Group] = self._build_groups()
+        self._slot_group = np.full(int(np.prod(self.shape)), -1, dtype=np.int64)
+        for gi, g in enumerate(self.groups):
+            self._slot_group[g.slots] = gi
+        assert (self._slot_group >= 0).all()
+
+    # ------------------------------------------------------------------ structure
+    def _build_groups(self) -> list[Group]:
+        L, H, _, M = self.shape
+        idx = np.arange(int(np.prod(self.shape))).reshape(self.shape)
+        levels = np.array(self.bits, dtype=np.int64)[:, None]
+        groups = []
+        if self.granularity == "slot":
+            for l, h, k, m in itertools.product(range(L), range(H), range(2), range(M)):
+                sl = idx[l, h, k, m].reshape(1)
+                groups.append(Group(f"L{l:02d}.H{h}.{KINDS[k]}.{self.modalities[m]}", sl, levels.copy()))
+        elif self.granularity == "layer_kv":
+            for l, k in itertools.product(range(L), range(2)):
+                sl = idx[l, :, k, :].ravel()
+                groups.append(Group(f"L{l:02d}.{KINDS[k]}", sl, np.repeat(levels, sl.size, axis=1)))
+        elif self.granularity == "layer":
+            for l in range(L):
+                sl = idx[l].ravel()
+                groups.append(Group(f"L{l:02d}", sl, np.repeat(levels, sl.size, axis=1)))
+        else:  # kvtuner
+            for l in range(L):
+                sk, sv = idx[l, :, 0, :].ravel(), idx[l, :, 1, :].ravel()
+                lb = np.array([[kb] * sk.size + [vb] * sv.size for kb, vb in self.pairs], dtype=np.int64)
+                groups.append(Group(f"L{l:02d}.kv", np.concatenate([sk, sv]), lb))
+        return groups
+
+    @property
+    def q_choices(self) -> dict[str, tuple]:
+        return {"q.group_size": self.group_sizes, "q.key_axis": self.key_axes,
+                "q.residual_length": self.residual_lengths}
+
+    def quantizers(self) -> list[QuantizerSettings]:
+        """Every plan-wide quantizer setting the space allows."""
+        return [QuantizerSettings(group_size=g, key_axis=a, value_axis=self.value_axis, residual_length=r)
+                for g, a, r in itertools.product(self.group_sizes, self.key_axes, self.residual_lengths)]
+
+    def distributions(self) -> dict[str, BaseDistribution]:
+        """Optuna distributions: ``IntDistribution`` levels per group, categorical quantizer fields."""
+        d: dict[str, BaseDistribution] = {g.name: IntDistribution(0, g.n_levels - 1) for g in self.groups
+                                          if g.n_levels > 1}
+        for name, choices in self.q_choices.items():
+            if len(choices) > 1:
+                d[name] = CategoricalDistribution(list(choices))
+        return d
+
+    def suggest(self, trial) -> dict:
+        """Ask a trial for every parameter (define-by-run); returns its params."""
+        for name, dist in self.distributions().items():
+            if isinstance(dist, IntDistribution):
+                trial.suggest_int(name, dist.low, dist.high)
+            else:
+                trial.suggest_categorical(name, dist.choices)
+        return dict(trial.params)
+
+    # ------------------------------------------------------------------ conversions
+    def levels_of(self, params: Mapping) -> np.ndarray:
+        return np.array([int(params.get(g.name, 0)) for g in self.groups], dtype=np.int64)
+
+    def quantizer_of(self, params: Mapping) -> QuantizerSettings:
+        return QuantizerSettings(
+            group_size=params.get("q.group_size", self.group_sizes[0]),
+            key_axis=params.get("q.key_axis", self.key_axes[0]),
+            value_axis=self.value_axis,
+            residual_length=params.get("q.residual_length", self.residual_lengths[0]),
+        )
+
+    def table_of_levels(self, levels: Sequence[int]) -> np.ndarray:
+        flat = np.empty(int(np.prod(self.shape)), dtype=np.int64)
+        for g, lv in zip(self.groups, levels):
+            flat[g.slots] = g.level_bits[int(lv)]
+        return flat.reshape(self.shape)
+
+    def table_of(self, params: Mapping) -> np.ndarray:
+        """Bits ``[layers, kv_heads, 2, modalities]`` of a parameter set."""
+        return self.table_of_levels(self.levels_of(params))
+
+    def params_of(self, levels: Sequence[int], quantizer: QuantizerSettings) -> dict:
+        """Parameter dict for group levels and a quantizer (only searched names)."""
+        dists = self.distributions()
+        p = {g.name: int(lv) for g, lv in zip(self.groups, levels) if g.name in dists}
+        for name, field in (("q.group_size", "group_size"), ("q.key_axis", "key_axis"),
+                            ("q.residual_length", "residual_length")):
+            if name in dists:
+                p[name] = getattr(quantizer, field)
+        return p
+
+    def levels_of_table(self, table: np.ndarray) -> np.ndarray | None:
+        """Group levels reproducing ``table`` exactly, or ``None`` if this space cannot express it."""
+        flat = np.asarray(table, dtype=np.int64).ravel()
+        out = np.empty(len(self.groups), dtype=np.int64)
+        for i, g in enumerate(self.groups):
+            hit = np.nonzero((g.level_bits == flat[g.slots][None, :]).all(axis=1))[0]
+            if hit.size == 0:
+                return None
+            out[i] = hit[0]
+        return out
+
+    def contains_quantizer(self, q: QuantizerSettings) -> bool:
+        return (q.group_size in self.group_sizes and q.key_axis in self.key_axes
+                and q.residual_length in self.residual_lengths and q.value_axis == self.value_axis)
+
+    def plan_of(self, params: Mapping, reference: Reference, **kwargs) -> Plan:
+        kwargs.setdefault("provenance", Provenance(produced_by="kvplan search"))
+        return Plan.from_table(self.table_of(params), self.geometry, self.modalities,
+                               quantizer=self.quantizer_of(params), reference=reference, **kwargs)
+
+    def describe(self) -> dict:
+        """JSON-able description (written beside exported plans)."""
+        return {"granularity": self.granularity, "bits": list(self.bits), "group_sizes": list(self.group_sizes),
+                "residual_lengths": list(self.residual_lengths), "key_axes": list(self.key_axes),
+                "value_axis": self.value_axis, "modalities": list(self.modalities), "shape": list(self.shape),
+                "n_params": len(self.distributions()), "pairs": [list(p) for p in self.pairs]}
+
+    def __repr__(self) -> str:
+        return (f"SearchSpace(granularity={self.granularity!r}, groups={len(self.groups)}, bits={self.bits}, "
+                f"group_sizes={self.group_sizes}, residual_lengths={self.residual_lengths}, "
+                f"key_axes={self.key_axes})")

@@ -1,0 +1,102 @@
+"""The plan's predicted honest bpv equals the bytes a real filled cache holds."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvplan import Geometry, KVPlanCache, baseline_plan, headguard_plan, uniform_plan
+from kvplan.plans import Reference, layout_labels
+
+GEOM = Geometry(4, 3, 64, ("full",) * 4, "llama")
+
+
+def _fill(cache, labels, dtype, chunks, batch=2, seed=0):
+    """Write len(labels) tokens: a prefill of chunks[0] tokens, then the rest in chunks."""
+    gen = torch.Generator().manual_seed(seed)
+    cache.assign_labels(labels)
+    written, sizes = 0, list(chunks)
+    while written < len(labels):
+        n = min(sizes.pop(0) if sizes else 16, len(labels) - written)
+        for layer in cache.layers:
+            k = torch.randn(batch, 3, n, 64, generator=gen).to(dtype)
+            v = torch.randn(batch, 3, n, 64, generator=gen).to(dtype)
+            layer.update(k, v)
+        written += n
+
+
+def _random_plan(seed, modalities):
+    rng = np.random.default_rng(seed)
+    plan = uniform_plan(GEOM, 4, modalities=modalities, group_size=int(rng.choice([32, 64, 128])),
+                        residual_length=int(rng.choice([0, 16, 128])),
+                        key_axis=str(rng.choice(["channel", "token"])))
+    return plan.with_table(rng.choice([2, 3, 4, 8, 16], size=plan.table().shape))
+
+
+PLANS = {
+    "int2": lambda: baseline_plan("int2", GEOM),
+    "int4-g128": lambda: baseline_plan("int4-g128", GEOM),
+    "k4v2-r0": lambda: baseline_plan("k4v2", GEOM, residual_length=0),
+    "fp16": lambda: baseline_plan("fp16", GEOM),
+    "headguard": lambda: headguard_plan(GEOM, [(1, 2)], modalities=("text", "visual"), protected_modality="visual"),
+    "random0": lambda: _random_plan(0, ("text", "visual")),
+    "random1": lambda: _random_plan(1, ("text", "visual", "doc")),
+    "random2": lambda: _random_plan(2, ("text",)),
+}
+MIXES = {
+    "text": [("text", 1.0)],
+    "vlm": [("text", 0.02), ("visual", 0.9), ("text", 0.08)],
+    "doc": [("text", 0.1), ("doc", 0.8), ("text", 0.1)],
+}
+
+
+def _cases():
+    for name, make in PLANS.items():
+        modalities = set(make().modalities)
+        for mix, spans in MIXES.items():
+            if {m for m, _ in spans} <= modalities:
+                for length in (1, 31, 200, 517):
+                    yield name, mix, length
+
+
+@pytest.mark.parametrize("name,mix,length", list(_cases()))
+def test_predicted_bpv_equals_measured(name, mix, length):
+    plan = PLANS[name]()
+    spans = MIXES[mix]
+    # repeated modality names are allowed in a layout: build labels span by span
+    labels = []
+    for i, (m, f) in enumerate(spans):
+        n = length - len(labels) if i == len(spans) - 1 else int(f * length)
+        labels += [m] * n
+    for dtype in (torch.float16, torch.float32):
+        cache = KVPlanCache(plan)
+        _fill(cache, labels, dtype, chunks=[length // 2, 3, 1, 1, 40])
+        predicted = plan.bpv(context_len=length, modality_mix=labels, full_precision_bits=8 * dtype.itemsize)
+        measured = 8 * cache.nbytes() / cache.num_values()
+        assert measured == predicted.total
+        parts = cache.nbytes_breakdown()
+        n_values = cache.num_values()
+        assert 8 * parts["scales_zeros"] / n_values == predicted.scales_zeros
+        assert 8 * parts["residual"] / n_values == predicted.residual
+
+
+def test_int2_group32_is_three_bits_per_value():
+    plan = baseline_plan("int2", GEOM, residual_length=0)
+    bpv = plan.bpv(context_len=4096, modality_mix={"text": 1.0})
+    assert bpv.total == 3.0 and bpv.payload == 2.0 and bpv.scales_zeros == 1.0 and bpv.residual == 0.0
+
+
+def test_bpv_independent_of_arrival_pattern():
+    plan = _random_plan(3, ("text", "visual"))
+    labels = layout_labels(300, [("text", 0.1), ("visual", 0.9)])
+    sizes = []
+    for chunks in ([300], [1] * 300, [7, 64, 5, 100]):
+        cache = KVPlanCache(plan)
+        _fill(cache, labels, torch.float16, chunks=chunks, batch=1)
+        sizes.append(cache.nbytes_breakdown())
+    assert sizes[0] == sizes[1] == sizes[2]
+
+
+def test_reference_layout_in_plan():
+    plan = headguard_plan(GEOM, [(0, 0)], modalities=("text", "visual"),
+                          reference=Reference(1000, {"text": 0.1, "visual": 0.9}))
+    assert plan.bpv() == plan.bpv(context_len=1000, modality_mix={"text": 0.1, "visual": 0.9})
