@@ -1,0 +1,177 @@
+"""KVPlanCache behaviour on tiny random models and synthetic states."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvplan
+from kvplan import CacheError, Geometry, KVPlanCache, PlanError, baseline_plan, uniform_plan
+from tests.tiny_models import tiny_llama
+
+GEOM = Geometry(2, 2, 16, ("full", "full"), "llama")
+
+
+def _states(n, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 2, n, 16, generator=g).to(dtype), torch.randn(1, 2, n, 16, generator=g).to(dtype)
+
+
+def test_committed_blocks_are_never_requantized():
+    cache = KVPlanCache(baseline_plan("int2", GEOM, residual_length=8))
+    layer = cache.layers[0]
+    layer.update(*_states(100, 0))
+    seg = layer.segments["k"][0]
+    codes_before = seg.blocks[0].codes.clone()
+    scale_before = seg.blocks[0].scale.clone()
+    first_read = layer._read("k")[:, :, :64].clone()
+    for step in range(70):
+        layer.update(*_states(1, step + 1))
+    block = layer.segments["k"][0].blocks[0]
+    assert block.length > 64
+    assert torch.equal(block.codes[:, :, :64], codes_before[:, :, :64])
+    assert torch.equal(block.scale[:, :, :2], scale_before[:, :, :2])
+    assert torch.equal(layer._read("k")[:, :, :64], first_read)
+
+
+def test_residual_and_commit_rule():
+    cache = KVPlanCache(baseline_plan("int4", GEOM, residual_length=16))  # group 32
+    layer = cache.layers[0]
+    layer.update(*_states(47, 0))
+    assert layer.committed == 0 and layer.residual["k"].shape[-2] == 47
+    layer.update(*_states(1, 1))
+    assert layer.committed == 32 and layer.residual["k"].shape[-2] == 16
+    assert layer.get_seq_length() == 48
+
+
+def test_committed_tokens_returned_full_precision_on_first_use_then_quantized():
+    cache = KVPlanCache(baseline_plan("int2", GEOM, residual_length=0))
+    k, v = _states(64, 3)
+    out_k, out_v = cache.layers[0].update(k, v)
+    assert torch.equal(out_k, k) and torch.equal(out_v, v)
+    k2, _ = cache.layers[0].update(*_states(1, 4))
+    assert not torch.equal(k2[:, :, :64], k)
+    assert (k2[:, :, :64] - k).abs().max() < 2.0
+
+
+def test_nan_and_inf_raise():
+    cache = KVPlanCache(baseline_plan("int4", GEOM))
+    k, v = _states(4, 0)
+    v[0, 1, 2, 5] = float("nan")
+    with pytest.raises(CacheError, match=r"layer 0: non-finite value states .*kv_head 1, new token 2, dim 5"):
+        cache.layers[0].update(k, v)
+    k[0, 0, 0, 0] = float("inf")
+    with pytest.raises(CacheError, match="non-finite key"):
+        cache.layers[1].update(k, torch.zeros_like(v))
+
+
+def test_crop_only_within_residual():
+    cache = KVPlanCache(baseline_plan("int4", GEOM, residual_length=16))
+    layer = cache.layers[0]
+    layer.update(*_states(60, 0))  # 32 committed, 28 residual
+    layer.crop(-5)
+    assert layer.get_seq_length() == 55
+    with pytest.raises(CacheError, match="already quantized"):
+        layer.crop(-30)
+
+
+def test_wrong_geometry_rejected():
+    plan = baseline_plan("int4", Geometry(3, 2, 16, ("full",) * 3, "llama"))
+    with pytest.raises(PlanError, match="model.num_layers"):
+        kvplan.load(tiny_llama(), plan)
+
+
+def test_batch_rows_disagreeing_on_modality_raise():
+    plan = uniform_plan(GEOM, 4, modalities=("text", "visual"))
+    cache = KVPlanCache(plan)
+    with pytest.raises(CacheError, match="position 1"):
+        cache.assign_labels([["text", "visual"], ["text", "text"]])
+    # padded positions do not count
+    cache.assign_labels([["text", "visual"], ["text", "text"]], attention_mask=torch.tensor([[1, 1], [1, 0]]))
+
+
+def test_unknown_modality_with_multimodal_plan_raises():
+    cache = KVPlanCache(uniform_plan(GEOM, 4, modalities=("text", "visual")))
+    with pytest.raises(PlanError, match="'audio'"):
+        cache.assign_labels(["text", "audio"])
+
+
+def _prompt_batch():
+    ids = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
+    return ids, mask
+
+
+def test_fp16_plan_identical_to_dynamic_cache_greedy_padded_batch():
+    model = tiny_llama()
+    ids, mask = _prompt_batch()
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    kvplan.load(model, "fp16")
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_padded_batch_rows_match_single_row_runs():
+    model = kvplan.load(tiny_llama(), baseline_plan("int4", GEOM, residual_length=0))
+    ids, mask = _prompt_batch()
+    batch = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    # row 1 has no padding: alone it must give the same tokens (storage is per row, groups never mix rows)
+    single = model.generate(input_ids=ids[1:], attention_mask=mask[1:], max_new_tokens=40, do_sample=False)
+    assert torch.equal(batch[1], single[0])
+
+
+def test_sampled_generation_is_reproducible():
+    model = kvplan.load(tiny_llama(), "int4")
+    ids, mask = _prompt_batch()
+    torch.manual_seed(0)
+    a = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=20)
+    torch.manual_seed(0)
+    b = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=20)
+    assert torch.equal(a, b) and a.shape == (2, 28)
+
+
+def test_beam_search_fp16_matches_dynamic_cache_and_quantized_runs():
+    model = tiny_llama()
+    ids, mask = _prompt_batch()
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, num_beams=3, do_sample=False)
+    kvplan.load(model, "fp16")
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, num_beams=3, do_sample=False)
+    assert torch.equal(out, ref)
+    kvplan.load(model, baseline_plan("int4", GEOM, residual_length=0))
+    q = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, num_beams=3, do_sample=False,
+                       return_dict_in_generate=True)
+    assert q.cache.layers[0].committed > 0
+
+
+def test_explicit_cache_and_unload():
+    model = tiny_llama()
+    ids, mask = _prompt_batch()
+    cache = kvplan.make_cache(model, "int2", ids, mask)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, cache=cache,
+                         return_dict_in_generate=True)
+    assert out.cache is cache and cache.nbytes() > 0
+    kvplan.load(model, "int2")
+    kvplan.unload(model)
+    plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                           return_dict_in_generate=True)
+    assert isinstance(plain.cache, DynamicCache)
+
+
+@pytest.mark.parametrize("model_type,window", [("mistral", 8), ("qwen2", None)])
+def test_other_architectures_fp16_identical(model_type, window):
+    model = tiny_llama(model_type=model_type, sliding_window=window)
+    ids, mask = _prompt_batch()
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    kvplan.load(model, "fp16")
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_models(dtype):
+    model = tiny_llama().to(dtype)
+    ids, mask = _prompt_batch()
+    kvplan.load(model, baseline_plan("k4v2", GEOM, residual_length=0))
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                         return_dict_in_generate=True)
+    assert out.cache.layers[0].residual["k"].dtype == dtype
+    assert out.cache.layers[0].committed == 32
+    assert out.cache.bpv() < 16
