@@ -353,7 +353,7 @@ def quantize(
     ``check_range`` raises like the reference when a group leaves the fp16 range (one
     device sync); pass ``False`` to skip the check.
     """
-    qt = qtype(bits)
+    qtype(bits)  # validates bits
     if x.dim() != 4:
         raise ValueError(f"expected x [B, h, T, D], got shape {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -402,7 +402,6 @@ def quantize(
             "KV values exceed the fp16 range of the stored scales/zero-points "
             f"(min {xf.min().item():.4g}, max {xf.max().item():.4g}); cannot quantize this block"
         )
-    del qt
     return packed, scale, zero
 
 
@@ -663,7 +662,7 @@ def block_partial_attention(
         V_BITS=v_src.bits, V_CHANNEL=v_src.channel, V_GS=v_src.gs, V_G=v_src.g,
         HAS_MASK=has_mask, DOT_F32=_dot_in_fp32(q),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=8 if block_n * block_d >= 8192 else 4,  # two dequantized [BLOCK_N, D] fp32 tiles live at once
     )
     return n_splits
 

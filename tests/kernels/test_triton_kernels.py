@@ -1,0 +1,351 @@
+"""Triton kernels against the PyTorch references.
+
+Without a GPU the kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``, set by
+``conftest.py`` before anything imports Triton) on CPU tensors; the grid below is sized for
+that (a few tens of seconds on 2 cores). With a CUDA GPU and ``TRITON_INTERPRET`` unset the
+same tests run compiled on CUDA tensors, and the ``gpu``-marked large shapes run too.
+
+Tolerances:
+* quantize: scale / zero ``torch.equal``; codes within one step, at most 0.1% differ
+  (in practice they are equal: both sides divide with IEEE round-to-nearest);
+* pack → unpack and dequantize: ``torch.equal``;
+* fused decode attention vs softmax attention over the dequantized cache (fp32 reference):
+  fp32 atol 1e-4 / rtol 1e-4, fp16 atol 1e-2 / rtol 1e-2, bf16 atol 3e-2 / rtol 2e-2.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed; the Triton kernels cannot be tested")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU and TRITON_INTERPRET is not 1: Triton kernels cannot run", allow_module_level=True)
+
+from kvplan.kernels import reference  # noqa: E402
+from kvplan.kernels import triton_kernels as tk  # noqa: E402
+from kvplan.kernels.attention_reference import reference_decode_attention  # noqa: E402
+from kvplan.kernels.qtypes import packed_row_bytes  # noqa: E402
+from kvplan.runtime.storage import PackedBlock  # noqa: E402
+
+if INTERPRET:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tk._dequantize_kernel, InterpretedFunction):
+        pytest.skip(
+            "kvplan.kernels.triton_kernels was imported before TRITON_INTERPRET=1 was set; "
+            "run the kernel tests in their own process",
+            allow_module_level=True,
+        )
+
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+gpu = pytest.mark.skipif(
+    INTERPRET or not torch.cuda.is_available(), reason="large shapes: needs a CUDA GPU with compiled Triton"
+)
+
+BITS = [2, 3, 4, 8]
+GROUPS = [32, 64, 128]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# (atol, rtol): values reach ~10 (outlier channels), where one fp16 / bf16 ulp is 8e-3 / 6e-2.
+ATTN_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (1e-2, 1e-2), torch.bfloat16: (3e-2, 2e-2)}
+
+
+def _rand(shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * scale
+    # Some outlier channels, like real keys.
+    x[..., :3] *= 8
+    return x.to(dtype).to(DEVICE)
+
+
+def _check_quantize(x, bits, group_size, axis, start_offset=0):
+    D = x.shape[-1]
+    packed, scale, zero = tk.quantize(x, bits, group_size, axis, start_offset)
+    r_packed, r_scale, r_zero = reference.quantize(x, bits, group_size, axis, start_offset)
+    assert packed.dtype == torch.uint8 and packed.shape == r_packed.shape
+    assert packed.shape[-1] == packed_row_bytes(D, bits)
+    assert scale.dtype == torch.float16 and zero.dtype == torch.float16
+    assert scale.shape == r_scale.shape and zero.shape == r_zero.shape
+    assert torch.equal(scale, r_scale), "scales differ"
+    assert torch.equal(zero, r_zero), "zero-points differ"
+    codes = reference.unpack_codes(packed, bits, D).int()
+    r_codes = reference.unpack_codes(r_packed, bits, D).int()
+    if codes.numel():
+        assert (codes - r_codes).abs().max().item() <= 1
+        assert (codes != r_codes).float().mean().item() <= 1e-3
+    # Padding bits of a partial 3-bit unit, if any, must be zero like the reference's.
+    if torch.equal(codes, r_codes):
+        assert torch.equal(packed, r_packed)
+    return packed, scale, zero
+
+
+# ----------------------------------------------------------------------------- quantize
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("axis", ["token", "channel"])
+@pytest.mark.parametrize("group_size", GROUPS, ids=[f"g{g}" for g in GROUPS])
+@pytest.mark.parametrize("bits", BITS, ids=[f"int{b}" for b in BITS])
+def test_quantize_grid(bits, group_size, axis, dtype):
+    """All bits × group sizes × axes × dtypes; odd T, channel groups with a nonzero offset."""
+    x = _rand((1, 2, 37, 64), dtype, seed=bits * 1000 + group_size)
+    offset = 0 if axis == "token" else (group_size // 2 + 3)
+    _check_quantize(x, bits, group_size, axis, offset)
+
+
+SHAPES = {
+    "T5-D64-H1": (1, 1, 5, 64),  # shorter than any group
+    "T37-D128-H3-B2": (2, 3, 37, 128),
+    "T1-D128-H8": (1, 8, 1, 128),
+    "T150-D64-H2": (1, 2, 150, 64),
+}
+
+
+AXIS_OFFSETS = [("token", 0), ("channel", 0), ("channel", 1), ("channel", 29)]
+
+
+@pytest.mark.parametrize(("axis", "offset"), AXIS_OFFSETS, ids=[f"{a}-off{o}" for a, o in AXIS_OFFSETS])
+@pytest.mark.parametrize("bits", [3, 4], ids=["int3", "int4"])
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+def test_quantize_shapes(shape, bits, axis, offset):
+    _check_quantize(_rand(shape, torch.float16, seed=sum(shape) + offset), bits, 32, axis, offset)
+
+
+def test_quantize_t_shorter_than_group_spanning_two_groups():
+    # 5 tokens starting at position 126 of a 128-group: groups [126,128) and [128,131).
+    x = _rand((1, 2, 5, 64), torch.float32, seed=7)
+    _, scale, _ = _check_quantize(x, 2, 128, "channel", 126)
+    assert scale.shape == (1, 2, 2, 64)
+
+
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_quantize_constant_groups(axis):
+    x = torch.full((1, 2, 40, 64), 0.375, dtype=torch.float16, device=DEVICE)
+    x[0, 1, :, 32:] = -2.5
+    packed, scale, zero = _check_quantize(x, 4, 32, axis, 3 if axis == "channel" else 0)
+    assert torch.count_nonzero(scale) == 0 and torch.count_nonzero(packed) == 0
+
+
+def test_quantize_half_steps_round_to_even():
+    # Group min 0, max 3 at 2 bits: scale 1, so x = 0.5, 1.5, 2.5 sit exactly on half steps.
+    row = torch.tensor([0.0, 3.0, 0.5, 1.5, 2.5, 1.0, 2.0, 0.49] * 4, dtype=torch.float32)
+    x = row.reshape(1, 1, 1, 32).to(DEVICE)
+    packed, _, _ = tk.quantize(x, 2, 32, "token")
+    codes = reference.unpack_codes(packed, 2, 32)[0, 0, 0, :8].tolist()
+    assert codes == [0, 3, 0, 2, 2, 1, 2, 0]
+    _check_quantize(x, 2, 32, "token")
+
+
+def test_quantize_fp16_range_error():
+    x = _rand((1, 1, 8, 64), torch.float32, seed=3)
+    x[0, 0, 2, 5] = 70000.0
+    with pytest.raises(ValueError, match="fp16 range"):
+        reference.quantize(x, 4, 32, "token")
+    with pytest.raises(ValueError, match="fp16 range"):
+        tk.quantize(x, 4, 32, "token")
+    with pytest.raises(ValueError, match="fp16 range"):
+        tk.quantize(x, 4, 32, "channel")
+
+
+def test_quantize_bad_arguments():
+    x = _rand((1, 1, 8, 64), torch.float16, seed=4)
+    with pytest.raises(ValueError):
+        tk.quantize(x, 5, 32, "token")
+    with pytest.raises(ValueError):
+        tk.quantize(x, 4, 32, "diagonal")
+    with pytest.raises(ValueError):
+        tk.quantize(x, 4, 32, "channel", 32)
+
+
+# ----------------------------------------------------------------------------- pack / unpack
+@pytest.mark.parametrize("axis", ["token", "channel"])
+@pytest.mark.parametrize("bits", BITS, ids=[f"int{b}" for b in BITS])
+def test_pack_unpack_exact(bits, axis):
+    """Known codes survive Triton pack (quantize) → reference unpack and reference pack → Triton unpack."""
+    qmax = (1 << bits) - 1
+    g = torch.Generator().manual_seed(bits)
+    T, D = 64, 64
+    codes = torch.randint(0, qmax + 1, (1, 2, T, D), generator=g)
+    # Make every group contain 0 and qmax, so scale == 1 and zero == 0 exactly.
+    if axis == "token":
+        codes[..., 0::32] = 0
+        codes[..., 1::32] = qmax
+    else:
+        codes[:, :, 0::32, :] = 0
+        codes[:, :, 1::32, :] = qmax
+    codes = codes.to(torch.uint8)
+    x = codes.float().to(DEVICE)
+    packed, scale, zero = tk.quantize(x, bits, 32, axis)
+    assert torch.all(scale == 1) and torch.all(zero == 0)
+    r_packed = reference.pack_codes(codes, bits)
+    assert torch.equal(packed.cpu(), r_packed)
+    assert torch.equal(reference.unpack_codes(packed.cpu(), bits, D), codes)
+    # Triton unpack path: dequantize with scale 1, zero 0 returns the codes.
+    out = tk.dequantize(r_packed.to(DEVICE), scale, zero, bits, 32, axis, D, 0, torch.float32)
+    assert torch.equal(out.cpu(), codes.float())
+
+
+# ----------------------------------------------------------------------------- dequantize
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("axis", ["token", "channel"])
+@pytest.mark.parametrize("group_size", [32, 128], ids=["g32", "g128"])
+@pytest.mark.parametrize("bits", BITS, ids=[f"int{b}" for b in BITS])
+def test_dequantize_matches_reference(bits, group_size, axis, dtype):
+    shape = (1, 3, 37, 128) if group_size == 128 else (2, 1, 37, 64)
+    x = _rand(shape, dtype, seed=bits + group_size)
+    offset = 0 if axis == "token" else 5
+    packed, scale, zero = reference.quantize(x, bits, group_size, axis, offset)
+    ref = reference.dequantize(packed, scale, zero, bits, group_size, axis, shape[-1], offset, dtype)
+    out = tk.dequantize(packed, scale, zero, bits, group_size, axis, shape[-1], offset, dtype)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.equal(out, ref)
+
+
+# ----------------------------------------------------------------------------- fused attention
+def _make_cache(B, Hkv, D, dtype, segments, Tr, seed):
+    """segments: list of (T, [(heads, bits, axis)] for K, [(heads, bits, axis)] for V)."""
+    key_blocks, value_blocks = [], []
+    start = 0
+    for i, (T, kspec, vspec) in enumerate(segments):
+        k = _rand((B, Hkv, T, D), dtype, seed=seed + 10 * i)
+        v = _rand((B, Hkv, T, D), dtype, seed=seed + 10 * i + 1, scale=0.5)
+        key_blocks.append(
+            [PackedBlock.encode(k[:, list(h)].contiguous(), h, bits, ax, 32, start) for h, bits, ax in kspec]
+        )
+        value_blocks.append(
+            [PackedBlock.encode(v[:, list(h)].contiguous(), h, bits, ax, 32, start) for h, bits, ax in vspec]
+        )
+        start += T
+    kr = _rand((B, Hkv, Tr, D), dtype, seed=seed + 500) if Tr else None
+    vr = _rand((B, Hkv, Tr, D), dtype, seed=seed + 501) if Tr else None
+    return key_blocks, value_blocks, kr, vr, start + Tr
+
+
+# Mixed plans: per-head-group bits, K / V groupings that differ, a 16-bit block, several segments.
+PLANS = {
+    "mixed-2seg": (
+        4,
+        [
+            (37, [((0, 1), 4, "channel"), ((2, 3), 2, "channel")], [((0,), 8, "token"), ((1, 2, 3), 3, "token")]),
+            (21, [((0, 2), 16, "channel"), ((1, 3), 3, "token")], [((0, 1, 2, 3), 2, "token")]),
+        ],
+        6,
+    ),
+    "int4-kivi-3seg": (
+        2,
+        [
+            (32, [((0, 1), 4, "channel")], [((0, 1), 4, "token")]),
+            (32, [((1,), 2, "channel"), ((0,), 4, "channel")], [((0,), 2, "token"), ((1,), 4, "token")]),
+            (7, [((0, 1), 4, "channel")], [((0, 1), 4, "token")]),
+        ],
+        3,
+    ),
+    "residual-only": (2, [], 9),
+    "one-seg-no-residual": (1, [(40, [((0,), 3, "channel")], [((0,), 2, "token")])], 0),
+}
+
+ATTN_CASES = {
+    # id: (plan, dtype, n_rep, Tq, D, mask)
+    "mixed-fp32-gqa3-tq2-padmask": ("mixed-2seg", torch.float32, 3, 2, 64, "pad-bool"),
+    "mixed-fp16-gqa7-tq1-padmask": ("mixed-2seg", torch.float16, 7, 1, 64, "pad-bool"),
+    "mixed-bf16-gqa2-tq3-floatmask": ("mixed-2seg", torch.bfloat16, 2, 3, 64, "float-per-head"),
+    "kivi-fp16-D128-nomask": ("int4-kivi-3seg", torch.float16, 4, 1, 128, None),
+    "kivi-fp32-D128-causal": ("int4-kivi-3seg", torch.float32, 1, 3, 128, "causal-float"),
+    "residual-only-fp16": ("residual-only", torch.float16, 2, 1, 64, "pad-bool"),
+    "one-seg-fp32-mha": ("one-seg-no-residual", torch.float32, 1, 1, 64, "pad-float"),
+}
+
+
+def _mask(kind, B, Hq, Tq, T_total):
+    if kind is None:
+        return None
+    keep = torch.ones(B, 1, Tq, T_total, dtype=torch.bool)
+    if B > 1:
+        keep[1, :, :, : min(7, T_total - 1)] = False  # left padding of row 1
+    if kind == "pad-bool":
+        keep[0, :, -1, -1] = False
+        return keep.to(DEVICE)
+    if kind == "pad-float":
+        return torch.zeros(B, 1, Tq, T_total).masked_fill(~keep, float("-inf")).to(DEVICE)
+    if kind == "float-per-head":
+        g = torch.Generator().manual_seed(11)
+        m = torch.randn(B, Hq, Tq, T_total, generator=g)  # finite additive bias per head
+        return m.masked_fill(~keep, float("-inf")).to(DEVICE)
+    if kind == "causal-float":
+        m = torch.zeros(B, 1, Tq, T_total)
+        for i in range(Tq):  # the last Tq keys are the queries' own positions
+            m[:, :, i, T_total - Tq + i + 1 :] = float("-inf")
+        return m.masked_fill(~keep, float("-inf")).to(DEVICE)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("case", list(ATTN_CASES.values()), ids=list(ATTN_CASES))
+def test_packed_decode_attention(case):
+    plan, dtype, n_rep, Tq, D, mask_kind = case
+    Hkv, segments, Tr = PLANS[plan]
+    B = 2
+    Hq = Hkv * n_rep
+    kb, vb, kr, vr, T_total = _make_cache(B, Hkv, D, dtype, segments, Tr, seed=D + n_rep)
+    q = _rand((B, Hq, Tq, D), dtype, seed=99, scale=0.5)
+    mask = _mask(mask_kind, B, Hq, Tq, T_total)
+    ref = reference_decode_attention(q, kb, vb, kr, vr, mask)
+    # Small splits / steps so that one segment spans several programs and inner iterations.
+    out = tk.packed_decode_attention(q, kb, vb, kr, vr, mask, split_len=16, block_n=16)
+    assert out.dtype == dtype and out.shape == (B, Hq, Tq, D)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATTN_TOL[dtype][0], rtol=ATTN_TOL[dtype][1])
+    # Default split heuristic and explicit sm_scale.
+    out2 = tk.packed_decode_attention(q, kb, vb, kr, vr, mask, sm_scale=0.1)
+    ref2 = reference_decode_attention(q, kb, vb, kr, vr, mask, sm_scale=0.1)
+    torch.testing.assert_close(out2.float(), ref2.float(), atol=ATTN_TOL[dtype][0], rtol=ATTN_TOL[dtype][1])
+
+
+def test_packed_decode_attention_rejects_bad_heads():
+    kb, vb, kr, vr, _ = _make_cache(1, 2, 64, torch.float32, [(8, [((0,), 4, "token")], [((0,), 4, "token")])], 2, 0)
+    q = _rand((1, 2, 1, 64), torch.float32, seed=1)
+    with pytest.raises(ValueError):
+        tk.packed_decode_attention(q, kb, vb, kr, vr)  # segment covers head 0 only, residual has 2
+
+
+def test_import_kvplan_does_not_import_triton_kernels():
+    # (Recent torch imports triton itself, so check for our kernel module, not for triton.)
+    code = (
+        "import sys, kvplan, kvplan.kernels, kvplan.runtime.storage, kvplan.kernels.attention_reference;"
+        "assert 'kvplan.kernels.triton_kernels' not in sys.modules, 'triton_kernels imported'"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+# ----------------------------------------------------------------------------- large shapes (GPU)
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("axis", ["token", "channel"])
+@pytest.mark.parametrize("bits", BITS, ids=[f"int{b}" for b in BITS])
+def test_quantize_large_gpu(bits, axis):
+    x = _rand((4, 8, 4099, 128), torch.float16, seed=bits)
+    packed, scale, zero = _check_quantize(x, bits, 128, axis, 0 if axis == "token" else 77)
+    ref = reference.dequantize(packed, scale, zero, bits, 128, axis, 128, 0 if axis == "token" else 77)
+    out = tk.dequantize(packed, scale, zero, bits, 128, axis, 128, 0 if axis == "token" else 77)
+    assert torch.equal(out, ref)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_packed_decode_attention_large_gpu(dtype):
+    Hkv, D, B = 4, 128, 4
+    segments = [
+        (8192, [((0, 1), 4, "channel"), ((2, 3), 2, "channel")], [((0, 1, 2, 3), 4, "token")]),
+        (4096, [((0, 1, 2, 3), 4, "channel")], [((0, 2), 2, "token"), ((1, 3), 8, "token")]),
+    ]
+    kb, vb, kr, vr, T_total = _make_cache(B, Hkv, D, dtype, segments, 100, seed=5)
+    q = _rand((B, 28, 1, D), dtype, seed=6, scale=0.5)
+    mask = _mask("pad-bool", B, 28, 1, T_total)
+    ref = reference_decode_attention(q, kb, vb, kr, vr, mask)
+    out = tk.packed_decode_attention(q, kb, vb, kr, vr, mask)
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATTN_TOL[dtype][0], rtol=ATTN_TOL[dtype][1])
