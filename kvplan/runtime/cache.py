@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..errors import CacheError, PlanError
 from ..models.geometry import Geometry
 from ..plans import KINDS, Plan, committed_length, label_runs
+from .fused import MAX_FUSED_QUERY, mark_pending
 from .storage import PackedBlock, Segment
 
 TEXT = "text"
@@ -80,10 +81,17 @@ class KVPlanLayer(CacheLayerMixin):
                     f"cache (first at [batch {bad[0]}, kv_head {bad[1]}, new token {bad[2]}, dim {bad[3]}]); "
                     "refusing to store them"
                 )
+        fused = self.owner.attention_kernel is not None and t_new <= MAX_FUSED_QUERY
+        if fused:
+            self._commit()  # a commit left pending by the previous step's attention call, if any
         start = self.get_seq_length()
         self.residual_labels.extend(self.owner.labels_for(start, t_new))
         self.residual["k"] = torch.cat([self.residual["k"], key_states.to(self.dtype)], dim=-2)
         self.residual["v"] = torch.cat([self.residual["v"], value_states.to(self.dtype)], dim=-2)
+        if fused and self.committed > 0:
+            # the fused attention reads the packed segments itself and commits afterwards
+            mark_pending(self.residual["k"], self)
+            return self.residual["k"], self.residual["v"]
         keys = self._read("k")
         values = self._read("v")
         self._commit()
@@ -223,11 +231,13 @@ class KVPlanCache(Cache):
     ``input_ids`` for VLMs); unlabelled and generated tokens are ``"text"``.
     """
 
-    def __init__(self, plan: Plan, model_or_geometry=None):
+    def __init__(self, plan: Plan, model_or_geometry=None, attention_kernel=None):
         geometry = plan.geometry if model_or_geometry is None else Geometry.of(model_or_geometry)
         plan.check_geometry(geometry)
         self.plan = plan
         self.geometry = geometry
+        # set when the model runs kvplan's fused attention (see runtime/fused.py)
+        self.attention_kernel = attention_kernel
         self._labels: list[str] = []
         super().__init__(layers=[KVPlanLayer(self, i) for i in range(geometry.num_layers)])
 

@@ -39,22 +39,54 @@ def _config(model_or_geometry):
 
 def make_cache(model, plan, input_ids=None, attention_mask=None) -> KVPlanCache:
     """A fresh :class:`KVPlanCache` for ``model``; with ``input_ids`` its prompt is labelled
-    (image/video tokens of a VLM are ``"visual"``, the rest ``"text"``)."""
-    cache = KVPlanCache(resolve_plan(plan, model), model)
+    (image/video tokens of a VLM are ``"visual"``, the rest ``"text"``). If ``kvplan.load``
+    put the model on the fused attention, the cache uses it."""
+    kernel = getattr(model, "_kvplan_attention_kernel", None)
+    cache = KVPlanCache(resolve_plan(plan, model), model, attention_kernel=kernel)
     if input_ids is not None:
         cache.assign_labels(labels_from_input_ids(input_ids, model.config), attention_mask)
     return cache
 
 
-def load(model, plan):
+ATTENTION_MODES = ("auto", "triton", "dequantize")
+
+
+def _attention_kernel(model, attention: str):
+    """The fused decode-attention kernel to use, or ``None`` for dequantize-then-attend."""
+    from ..kernels import triton_available
+
+    if attention not in ATTENTION_MODES:
+        raise PlanError("attention", f"must be one of {list(ATTENTION_MODES)}", attention)
+    on_cuda = next(model.parameters()).is_cuda
+    if attention == "dequantize" or (attention == "auto" and not (on_cuda and triton_available())):
+        return None
+    if not triton_available():
+        raise PlanError("attention", "Triton kernels requested but Triton cannot be imported", attention)
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise PlanError("attention", "Triton kernels need a CUDA model (or TRITON_INTERPRET=1 on CPU)", attention)
+    from ..kernels.triton_kernels import packed_decode_attention
+
+    return packed_decode_attention
+
+
+def load(model, plan, attention: str = "auto"):
     """Validate ``plan`` (a path, a :class:`Plan` or a baseline name) against ``model`` and
     make ``model.generate(...)`` use a fresh quantized cache following it on every call.
 
+    ``attention``: ``"auto"`` uses the fused Triton decode attention on CUDA when Triton
+    imports and dequantize-then-attend otherwise; ``"triton"`` / ``"dequantize"`` force one.
     Returns the model. A ``cache=`` passed to ``generate`` explicitly is used as is.
-    ``kvplan.unload(model)`` restores the original ``generate``.
+    ``kvplan.unload(model)`` restores the original ``generate`` and attention.
     """
     resolved = resolve_plan(plan, model)
+    kernel = _attention_kernel(model, attention)
     unload(model)
+    if kernel is not None:
+        from . import fused
+
+        model._kvplan_previous_attention = model.config._attn_implementation
+        fused.set_text_attention(model, fused.register())
+        model._kvplan_attention_kernel = kernel
     original = model.generate
 
     @functools.wraps(original)
@@ -76,4 +108,10 @@ def unload(model):
     if gen is not None and hasattr(gen, "_kvplan_original"):
         del model.generate
     model.__dict__.pop("kvplan_plan", None)
+    model.__dict__.pop("_kvplan_attention_kernel", None)
+    previous = model.__dict__.pop("_kvplan_previous_attention", None)
+    if previous is not None:
+        from .fused import set_text_attention
+
+        set_text_attention(model, previous)
     return model
