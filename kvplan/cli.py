@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text on a plan's quantized cache and report its memory")
     g.add_argument("--plan", default="int4", help="plan YAML file or baseline name (default: int4)")
     g.add_argument("--model", default="smollm2-135m")
-    g.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
+    g.add_argument("--prompt", default=None, help="default: a ~800-token Python-docs question")
     g.add_argument("--max-new-tokens", type=int, default=48)
     g.set_defaults(func=_cmd_generate)
     return p

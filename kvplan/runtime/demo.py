@@ -5,9 +5,17 @@ from __future__ import annotations
 import time
 
 
-def generate_demo(plan="int4", model="smollm2-135m", prompt="Explain in two sentences why the sky is blue.",
-                  max_new_tokens=48) -> dict:
+def default_prompt() -> str:
+    """A long-ish real prompt (~800 tokens) so that most of the cache gets quantized."""
+    from pydoc_data.topics import topics
+
+    return ("Here is a section of the Python documentation.\n\n" + topics["with"].strip()
+            + "\n\nIn one sentence, what does the with statement do?")
+
+
+def generate_demo(plan="int4", model="smollm2-135m", prompt=None, max_new_tokens=48) -> dict:
     """Generate with ``plan`` on ``model``; print the text and the cache bytes next to FP16's."""
+    prompt = default_prompt() if prompt is None else prompt
     from ..models import load_model
     from .load import load, unload
 
