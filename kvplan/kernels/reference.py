@@ -50,6 +50,12 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: ``uint8 [..., bytes]`` to ``uint8 [..., n]``."""
     qt = qtype(bits)
+    if bits == 8:
+        return packed[..., :n]
+    if qt.unit_bytes == 1:  # 2 and 4 bits: byte-local shifts in uint8, no widening
+        mask = qt.qmax
+        parts = [(packed >> (j * bits)) & mask for j in range(qt.codes_per_unit)]
+        return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)[..., :n]
     units = packed.shape[-1] // qt.unit_bytes
     b = packed.to(torch.int32).reshape(*packed.shape[:-1], units, qt.unit_bytes)
     byte_shifts = torch.arange(qt.unit_bytes, device=packed.device, dtype=torch.int32) * 8
@@ -136,12 +142,17 @@ def dequantize(
     B, h, T, D = codes.shape
     if axis == "token":
         g = channel_group_size(group_size, D)
-        out = codes.reshape(B, h, T, D // g, g) * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+        out = torch.addcmul(zero.float().unsqueeze(-1), codes.reshape(B, h, T, D // g, g), scale.float().unsqueeze(-1))
         out = out.reshape(B, h, T, D)
     elif axis == "channel":
-        s = _expand_groups(scale.float(), group_size, start_offset, T)
-        z = _expand_groups(zero.float(), group_size, start_offset, T)
-        out = codes * s + z
+        n_groups = scale.shape[2]
+        if start_offset == 0 and T == n_groups * group_size:  # whole groups: broadcast, no expansion
+            out = torch.addcmul(zero.float().unsqueeze(3), codes.reshape(B, h, n_groups, group_size, D),
+                                scale.float().unsqueeze(3)).reshape(B, h, T, D)
+        else:
+            s = _expand_groups(scale.float(), group_size, start_offset, T)
+            z = _expand_groups(zero.float(), group_size, start_offset, T)
+            out = torch.addcmul(z, codes, s)
     else:
         raise ValueError(f"unknown quantization axis {axis!r}")
     return out.to(dtype)
