@@ -287,7 +287,8 @@ class Plan:
         source = None
         text = path_or_text
         if isinstance(path_or_text, os.PathLike) or (
-            isinstance(path_or_text, str) and "\n" not in path_or_text and path_or_text.endswith((".yaml", ".yml"))
+            isinstance(path_or_text, str) and "\n" not in path_or_text
+            and (path_or_text.endswith((".yaml", ".yml")) or os.path.isfile(path_or_text))
         ):
             source = os.fspath(path_or_text)
             try:
