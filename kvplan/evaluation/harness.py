@@ -190,7 +190,7 @@ def prepare_sample(model, sample: Sample, pad_id: int = 0) -> PreparedSample:
     rope = _rope_owner(model)
     if rope is not None:
         rope.rope_deltas = None
-    model(input_ids=ids, cache=cache, use_cache=True, **inputs)
+    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1, **inputs)
     T = ids.shape[1]
     kv = []
     for i in range(_num_layers(model)):
@@ -340,12 +340,21 @@ def _metrics(prepared: PreparedSample, sc: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
+def _no_commit() -> None:
+    return None
+
+
 @torch.no_grad()
 def score_cache(model, prepared: PreparedSample, cache) -> dict[str, float]:
     """Run the evaluated rows of ``prepared`` against ``cache`` (history already written, batch 1)."""
     R = prepared.rows.shape[0]
     if R > 1:
         cache.batch_repeat_interleave(R)
+    for layer in cache.layers:
+        if hasattr(layer, "_commit"):
+            # The evaluated tokens reach attention at full precision either way (a KVPlanLayer returns
+            # what it reads *before* committing); skip quantizing them afterwards: nothing reads them again.
+            layer._commit = _no_commit
     logp = _forward_rows(model, cache, prepared.rows, prepared.position_ids)
     return _metrics(prepared, _scored(logp, prepared.sample, prepared.row_lengths))
 
@@ -432,6 +441,9 @@ def aggregate(per_sample: Sequence[dict[str, Any]], seed: int = 0, n_boot: int =
     # pooled over samples: total bits / total values
     out["bpv"] = sum(r["cache"]["bpv"] * r["cache"]["num_values"] for r in per_sample) / nvals if nvals else 0.0
     out["bpv_measured"] = 8 * nbytes["total"] / nvals if nvals else 0.0
+    if per_sample and all("bpv_accounting" in r["cache"] for r in per_sample):
+        out["bpv_accounting"] = sum(r["cache"]["bpv_accounting"] * r["cache"]["num_values"]
+                                    for r in per_sample) / nvals if nvals else 0.0
     out["storage_bits"] = per_sample[0]["cache"]["storage_bits"] if per_sample else None
     return out
 
@@ -440,21 +452,30 @@ def evaluate(model, plan, prepared: Sequence[PreparedSample], *, expect_quantize
              progress: bool = True, desc: str | None = None, keep_samples: bool = True) -> dict[str, Any]:
     """Evaluate one plan (a :class:`Plan`, YAML path or baseline name) on prepared samples.
 
-    ``expect_quantized``: ``(kind, modality)`` pairs that must have quantized tokens;
-    ``"auto"`` = every pair the plan stores below 16 bits that occurs in the history.
+    ``expect_quantized``: ``(kind, modality)`` pairs that must have quantized tokens in
+    *every* sample (checked per sample, raises :class:`ProtocolError`). ``"auto"``: every
+    pair the plan stores below 16 bits for a non-``text`` modality present in the history
+    (``text`` for a single-modality plan) must have quantized tokens in at least one sample.
     """
     from tqdm.auto import tqdm
 
     plan = resolve_plan(plan, model)
     per = []
+    auto = expect_quantized == "auto"
     for p in tqdm(prepared, desc=desc or (plan.name or "plan"), disable=not progress, leave=False):
-        exp = expect_quantized
-        if exp == "auto":
-            present = set(p.sample.history_labels)
-            exp = [(k, m) for k, m in intended_quantized(plan) if m in present or len(plan.modalities) == 1]
-        r = evaluate_plan_sample(model, plan, p, exp)
+        r = evaluate_plan_sample(model, plan, p, None if auto else expect_quantized)
         r["id"] = p.sample.meta.get("id")
         per.append(r)
+    if auto:
+        present = set()
+        for p in prepared:
+            present.update(p.sample.history_labels)
+        single = len(plan.modalities) == 1
+        for kind, mod in intended_quantized(plan):
+            if single or (mod in present and mod != "text"):
+                if not any(r["cache"]["quantized_tokens"].get(kind, {}).get(mod, 0) > 0 for r in per):
+                    check_quantized(per[0]["cache"], [(kind, mod)], where=f"plan {plan.name or '<unnamed>'}, all "
+                                                                           f"{len(per)} samples: ")
     agg = aggregate(per, seed=seed)
     agg["plan"] = plan.name
     if keep_samples:
