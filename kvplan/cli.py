@@ -39,12 +39,113 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_search(args) -> int:
+    from .search import DEFAULT_BITS, BpvModel, SearchSpace, parse_budget, search
+    from .search.scorers import harness_scorers
+
+    budgets = args.budget if len(args.budget) > 1 else args.budget[0]
+    parsed = [parse_budget(b) for b in args.budget]  # an unparsable budget fails before the model loads
+
+    def check_budgets(geometry, reference, modalities):
+        """Reject an unreachable budget before any full-precision prefill."""
+        bmodel = BpvModel(SearchSpace(geometry, modalities, args.granularity, DEFAULT_BITS), reference)
+        for b in parsed:
+            bmodel.check_budget(b)
+
+    scorer, heldout = harness_scorers(args.model, seed=args.seed, n_calibration=args.samples,
+                                      n_heldout=args.heldout_samples, history_tokens=args.history_tokens,
+                                      eval_tokens=args.eval_tokens, progress=not args.quiet,
+                                      before_prefill=check_budgets)
+    result = search(model=args.model, budget=budgets, granularity=args.granularity, n_trials=args.trials,
+                    seed=args.seed, storage=args.storage, study_name=args.study_name, out=args.out,
+                    scorer=scorer, heldout_scorer=heldout, pareto=args.pareto, surrogate=not args.no_surrogate,
+                    worker=args.worker, progress=not args.quiet)
+    summary = getattr(result, "summary", None)
+    print(summary() if callable(summary) else result)
+    return 0
+
+
+def _cmd_explain(args) -> int:
+    from .explain import explain
+
+    print(explain(args.plan, format=args.format, out_dir=args.figures, importance=not args.no_importance))
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    from .evaluation import run_eval
+
+    run_eval(args.plan, model=args.model, task=args.task, split=args.split, samples=args.samples, out=args.out,
+             seed=args.seed, history_tokens=args.history_tokens, progress=not args.quiet)
+    return 0
+
+
+def _cmd_sweep(args) -> int:
+    from .evaluation import run_sweep
+
+    run_sweep(model=args.model, samples=args.samples, out_dir=args.out_dir, task=args.task, split=args.split,
+              seed=args.seed, history_tokens=args.history_tokens, progress=not args.quiet)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ._version import __version__
 
     p = argparse.ArgumentParser(prog="kvplan", description="Find, explain and deploy mixed-precision KV-cache plans.")
     p.add_argument("--version", action="version", version=f"kvplan {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("search", help="search a plan under an honest bits-per-value budget")
+    s.add_argument("--budget", nargs="+", default=["2.5bpv"],
+                   help="honest bits per value, e.g. 2.5bpv or 2.5; several budgets = Pareto mode, one plan each")
+    s.add_argument("--model", default="smollm2-135m", help="model name, .gguf file, directory or hub id")
+    s.add_argument("--granularity", default="slot", choices=["slot", "layer_kv", "layer", "kvtuner"],
+                   help="slot = layer x KV head x K/V x modality; layer_kv = KVTuner space; kvtuner = its pairs")
+    s.add_argument("--trials", type=int, default=120, help="real (scored) evaluations in the study")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--samples", type=int, default=16, help="calibration samples of the built-in task")
+    s.add_argument("--heldout-samples", type=int, default=16, help="held-out samples for the final measurement")
+    s.add_argument("--history-tokens", type=int, default=512, help="history length of each sample")
+    s.add_argument("--eval-tokens", type=int, default=32, help="evaluated tokens after each history")
+    s.add_argument("--storage", help="Optuna storage: journal file path, sqlite:///file.db or an RDB URL")
+    s.add_argument("--study-name", help="study to create, join (parallel workers) or resume")
+    s.add_argument("--worker", type=int, help="worker index when several processes share a study")
+    s.add_argument("--pareto", action="store_true", help="multi-objective search (KL vs bpv)")
+    s.add_argument("--no-surrogate", action="store_true", help="score every candidate for real (ablation)")
+    s.add_argument("--out", default="plan.yaml", help="plan file to write (atomically); history saved beside it")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=_cmd_search)
+
+    x = sub.add_parser("explain", help="why a plan looks as it does: bpv, allocation, importance")
+    x.add_argument("plan")
+    x.add_argument("--format", default="text", choices=["text", "json"])
+    x.add_argument("--figures", metavar="DIR", help="write PNG figures into DIR")
+    x.add_argument("--no-importance", action="store_true", help="skip the (slower) importance analysis")
+    x.set_defaults(func=_cmd_explain)
+
+    e = sub.add_parser("eval", help="evaluate a plan or baseline under the historical-cache protocol")
+    e.add_argument("plan", help="plan file, baseline name (fp16, int8, int4, int2, k4v2[-g64]), headguard, "
+                   "or a QuantizedCache peer (quanto-int4, hqq-int2)")
+    e.add_argument("--model", default="smollm2-135m")
+    e.add_argument("--task", default="default", help="'default' (offline Python docs) or a JSONL task file")
+    e.add_argument("--split", default="heldout", choices=["calibration", "heldout"])
+    e.add_argument("--samples", type=int, default=16)
+    e.add_argument("--history-tokens", type=int, default=512)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--out", help="JSON results file")
+    e.add_argument("--quiet", action="store_true")
+    e.set_defaults(func=_cmd_eval)
+
+    w = sub.add_parser("sweep", help="sensitivity landscape: {FP16, INT8, INT4, INT2} x modality x {K, V}")
+    w.add_argument("--model", default="smollm2-135m")
+    w.add_argument("--task", default="default")
+    w.add_argument("--split", default="heldout", choices=["calibration", "heldout"])
+    w.add_argument("--samples", type=int, default=16)
+    w.add_argument("--history-tokens", type=int, default=512)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--out-dir", default="sweep-results")
+    w.add_argument("--quiet", action="store_true")
+    w.set_defaults(func=_cmd_sweep)
 
     v = sub.add_parser("validate", help="check a plan file (and optionally that it fits a model)")
     v.add_argument("plan", help="plan YAML file")

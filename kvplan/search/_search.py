@@ -1,0 +1,611 @@
+"""``kvplan.search``: budgeted plan search with a random-forest surrogate.
+
+The flow (one worker; several workers run the same loop on one shared study):
+
+1. **Space and budget.** Build the :class:`SearchSpace`; parse the budget (honest bpv at
+   the reference); fail at once when the budget is below the cheapest reachable plan.
+2. **Sensitivity profile** (``profile=True``): KL with one (layer, kind) unit at the lowest
+   bits, the rest full precision (see :mod:`.sensitivity`). Stored on the study, reused.
+3. **Seeds** (once per study): the knapsack allocation from the profile for every feasible
+   quantizer setting, the greedy top-down repair of the all-high table, and the baselines
+   that fit (uniform ``KbVb`` plans at every group size/residual that fits, e.g.
+   ``int2-g128-r0``, ``k4v2``...). They are ``enqueue_trial``-ed, so they are ordinary trials.
+4. **Rounds** until the study holds ``n_trials`` COMPLETE trials (a total over all workers
+   and resumes; every COMPLETE trial is one real evaluation):
+
+   - while enqueued trials wait, or fewer than ``n_startup`` trials are complete, or the
+     surrogate is off: ``ask`` one trial, repair, evaluate, tell;
+   - otherwise: ``ask`` ``n_candidates`` trials from TPE and make ``n_local`` mutations of
+     the best plans found (raise/lower 1-3 groups); repair all; fit the random forest on
+     the COMPLETE trials; rank candidates by ``mean - kappa * std`` of predicted log-KL;
+     evaluate only the best ``top_k`` for real.
+
+   **What Optuna is told.** A COMPLETE trial's params are always exactly the plan that was
+   evaluated. When repair changed an asked trial (or the asked trial was evaluated as a
+   mutation) the evaluated point is added with ``study.add_trial`` (atomic; works with
+   several workers, unlike enqueue-then-ask which another worker could pop) and the asked
+   trial is told ``FAIL`` with ``user_attrs["kvplan.role"] = "repaired"``. Asked candidates
+   the surrogate screened out are told ``FAIL`` with ``kvplan.role = "screened"`` and the
+   predicted log-KL: TPE ignores failed trials, so they neither count nor bias it, and the
+   record of what was screened stays in the study. Mutation candidates that are not chosen
+   are never asked (so they leave no trace).
+
+5. **Result.** Best COMPLETE trial (single objective), or the Pareto front of (KL, bpv) and
+   the best plan under each budget (``budget=[...]`` / ``pareto=True``). Each chosen plan is
+   re-measured by the held-out scorer; metrics + honest bpv go into the plan, written with
+   ``plan.to_yaml(out)`` (atomic), beside it ``<stem>.trials.csv`` (every COMPLETE trial,
+   with its full bit table) and ``<stem>.search.json`` (space, budget, profile, curve,
+   Pareto front, baselines) for ``kvplan explain``.
+
+Same seed -> same plan (in memory, or with a storage and an explicit ``worker`` id; workers
+without an id on a persistent storage mix the process id into the sampler seed so that they
+do not propose identical plans).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+import optuna
+from optuna.trial import TrialState
+
+from ..errors import KVPlanError
+from ..models.geometry import Geometry
+from ..plans import Plan, Provenance, Reference, atomic_write_text
+from ..surrogates import ForestSurrogate, PlanFeatures, log_kl
+from .budget import (
+    EPS,
+    BpvModel,
+    BudgetError,
+    group_damage,
+    knapsack_seed,
+    parse_budget,
+    repair,
+)
+from .sensitivity import run_profile, slot_sensitivity
+from .space import DEFAULT_BITS, DEFAULT_GROUP_SIZES, DEFAULT_KEY_AXES, DEFAULT_RESIDUAL_LENGTHS, SearchSpace
+from .storage import fail_orphaned_trials, is_persistent, make_storage, owner_attrs
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+class Scorer(Protocol):
+    """Scores a candidate plan: ``scorer(plan) -> {"kl": mean KL, "bpv": honest bpv, ...}``.
+
+    Optional attributes used when present: ``geometry`` (:class:`Geometry`), ``modalities``
+    (tuple of names the task labels tokens with), ``reference`` (:class:`Reference` at which
+    the budget is stated), ``data_hash`` (recorded in the plan's provenance).
+    Extra numeric keys (``nll``, ``accuracy``, ``kl_se``...) are recorded.
+    """
+
+    def __call__(self, plan: Plan) -> Mapping[str, Any]: ...
+
+
+@dataclass
+class SearchResult:
+    """What :func:`search` found. ``plan`` is the exported plan (the one for the tightest
+    budget in Pareto mode); ``plans`` maps each budget to its plan."""
+
+    plan: Plan
+    plans: dict[float, Plan]
+    study: optuna.Study
+    space: SearchSpace
+    budgets: list[float]
+    profile: dict[str, float] | None
+    curve: list[tuple[int, float, float]]  # (n real evals, best KL so far, its bpv) in trial order
+    pareto: list[dict]
+    n_real_evals: int
+    n_profile_evals: int
+    elapsed_s: float
+    paths: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def best_kl(self) -> float:
+        return float(self.plan.metrics.get("calibration", {}).get("kl", float("nan")))
+
+
+# ----------------------------------------------------------------------------- helpers
+def _plain(v):
+    if isinstance(v, Mapping):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, (np.floating, float)):
+        f = float(v)
+        return f if math.isfinite(f) else None
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (bool, int, str)) or v is None:
+        return v
+    return str(v)
+
+
+def _metrics_of(res: Mapping) -> dict:
+    """Scalar metrics of a scorer result (lists such as per-sample KL are dropped)."""
+    out = {}
+    for k, v in res.items():
+        if isinstance(v, (bool, str)):
+            continue
+        if isinstance(v, (int, float, np.integer, np.floating)) and math.isfinite(float(v)):
+            out[str(k)] = float(v)
+    return out
+
+
+def _default_scorers(model, seed: int):
+    """Calibration and held-out scorers on ``model`` (a name/path or a loaded ``(model, tokenizer)``)
+    from the evaluation harness's built-in task (see :mod:`kvplan.search.scorers`)."""
+    from .scorers import harness_scorers
+
+    return harness_scorers(model, seed=seed)
+
+
+def _key(levels, q) -> tuple:
+    return (q.group_size, q.key_axis, q.value_axis, q.residual_length, tuple(int(x) for x in levels))
+
+
+# ----------------------------------------------------------------------------- the search
+class _Searcher:
+    def __init__(self, *, space: SearchSpace, reference: Reference, budgets: list[float], scorer: Scorer,
+                 study: optuna.Study, seed: int, rng_seed: int, n_trials: int, surrogate: bool, n_candidates: int,
+                 n_local: int, top_k: int, n_startup: int, kappa: float, persistent: bool, progress: bool,
+                 profile: dict | None, multi: bool = False):
+        self.space, self.reference, self.budgets, self.scorer = space, reference, budgets, scorer
+        self.budget = max(budgets)  # the repair ceiling (every trial fits the loosest budget)
+        self.multi = multi or len(budgets) > 1
+        self.study, self.seed, self.n_trials = study, seed, n_trials
+        self.use_surrogate, self.n_candidates, self.n_local = surrogate, n_candidates, n_local
+        self.top_k, self.n_startup, self.kappa = top_k, n_startup, kappa
+        self.persistent, self.show_progress = persistent, progress
+        self.rng = np.random.default_rng(rng_seed)
+        self.model = BpvModel(space, reference)
+        self.dists = space.distributions()
+        self.profile = profile
+        self.sens = slot_sensitivity(space, profile)
+        self.damage = group_damage(space, self.sens)
+        self.features = PlanFeatures(space.shape, space.modalities, with_prior=profile is not None)
+        self.n_evals = 0
+        self.bar = None
+
+    # ---------------------------------------------------------------- bookkeeping
+    def complete(self) -> list[optuna.trial.FrozenTrial]:
+        return self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+
+    def evaluated_keys(self) -> set:
+        out = set()
+        for t in self.complete():
+            out.add(self._key_of_params(t.params))
+        return out
+
+    def _key_of_params(self, params):
+        return _key(self.space.levels_of(params), self.space.quantizer_of(params))
+
+    def prior(self, levels) -> float:
+        return float(self.damage[np.arange(len(levels)), levels].sum())
+
+    def _features(self, items: list[tuple[np.ndarray, Any]]) -> np.ndarray:
+        tables = np.stack([self.space.table_of_levels(lv) for lv, _ in items])
+        return self.features.transform(
+            tables, [q.group_size for _, q in items], [q.residual_length for _, q in items],
+            [q.key_axis for _, q in items], [self.model.bpv(lv, q) for lv, q in items],
+            [self.prior(lv) for lv, _ in items])
+
+    # ---------------------------------------------------------------- seeds
+    def enqueue_seeds(self, include_baselines: bool) -> int:
+        if self.study.user_attrs.get("kvplan.seeded"):
+            return 0
+        self.study.set_user_attr("kvplan.seeded", True)
+        seeds: list[tuple[np.ndarray, Any, str]] = []
+        for b in sorted(self.budgets):
+            for q in self.model.feasible_quantizers(b):
+                if self.profile is not None:
+                    seeds.append((knapsack_seed(self.model, q, b, self.damage), q, f"knapsack@{b:g}"))
+                top = np.array([g.n_levels - 1 for g in self.space.groups])
+                lv, q2, _ = repair(self.model, top, q, b, self.damage)
+                if q2 == q:
+                    seeds.append((lv, q, f"greedy@{b:g}"))
+        if include_baselines:
+            bits = self.space.bits
+            for q in self.model.feasible_quantizers(self.budget):
+                fits = []
+                for kb in bits:
+                    for vb in bits:
+                        if kb < vb:
+                            continue
+                        table = np.empty(self.space.shape, dtype=np.int64)
+                        table[:, :, 0], table[:, :, 1] = kb, vb
+                        lv = self.space.levels_of_table(table)
+                        if lv is not None and self.model.bpv(lv, q) <= self.budget + EPS:
+                            fits.append((kb, vb, lv))
+                # keep the pairs no other fitting pair dominates
+                for kb, vb, lv in fits:
+                    if not any((k2 >= kb and v2 >= vb and (k2, v2) != (kb, vb)) for k2, v2, _ in fits):
+                        name = f"k{kb}v{vb}" if kb != vb else f"int{kb}"
+                        seeds.append((lv, q, f"baseline:{name}-g{q.group_size}-r{q.residual_length}"))
+        seen = self.evaluated_keys()
+        n = 0
+        for lv, q, source in seeds:
+            k = _key(lv, q)
+            if k in seen:
+                continue
+            seen.add(k)
+            self.study.enqueue_trial(self.space.params_of(lv, q), user_attrs={"kvplan.source": source})
+            n += 1
+        return n
+
+    # ---------------------------------------------------------------- one real evaluation
+    def evaluate(self, levels, q, source: str, asked=None, pred: float | None = None, extra: dict | None = None):
+        params = self.space.params_of(levels, q)
+        plan = self.space.plan_of(params, self.reference)
+        bpv = plan.bpv().total
+        if bpv > self.budget + 1e-6:  # BpvModel and the accounting disagree: a bug, never evaluate
+            raise AssertionError(f"internal: repaired plan has {bpv} bpv > budget {self.budget}")
+        t0 = time.perf_counter()
+        res = self.scorer(plan)
+        dt = time.perf_counter() - t0
+        kl = float(res["kl"])
+        self.n_evals += 1
+        attrs = {"kvplan.source": source, "kvplan.bpv": bpv, "kvplan.eval_s": dt,
+                 "kvplan.metrics": _plain(_metrics_of(res))}
+        if pred is not None:
+            attrs["kvplan.pred_log_kl"] = float(pred)
+        if extra:
+            attrs.update(extra)
+        ok = math.isfinite(kl)
+        values = [kl, bpv] if self.multi else [kl]
+        same = asked is not None and dict(asked.params) == params
+        if same:
+            for k, v in attrs.items():
+                asked.set_user_attr(k, v)
+            self.study.tell(asked, values if ok else None, state=TrialState.COMPLETE if ok else TrialState.FAIL)
+        else:
+            if ok:
+                self.study.add_trial(optuna.trial.create_trial(
+                    params=params, distributions={k: self.dists[k] for k in params}, values=values,
+                    user_attrs=attrs))
+            if asked is not None:
+                asked.set_user_attr("kvplan.role", "repaired")
+                self.study.tell(asked, state=TrialState.FAIL)
+        self._progress(kl, bpv)
+        return kl, bpv
+
+    def _progress(self, kl, bpv):
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        best = self.best_so_far()
+        if best:
+            self.bar.set_postfix_str(f"best KL {best[0]:.4g} @ {best[1]:.3f} bpv")
+
+    def best_so_far(self):
+        best = None
+        for t in self.complete():
+            kl = t.values[0]
+            if best is None or kl < best[0]:
+                best = (kl, t.user_attrs.get("kvplan.bpv", float("nan")))
+        return best
+
+    # ---------------------------------------------------------------- candidates
+    def ask(self):
+        t = self.study.ask(self.dists)
+        if self.persistent:
+            for k, v in owner_attrs().items():
+                t.set_user_attr(k, v)
+        return t
+
+    def repaired(self, params) -> tuple[np.ndarray, Any]:
+        lv, q, _ = repair(self.model, self.space.levels_of(params), self.space.quantizer_of(params), self.budget,
+                          self.damage)
+        return lv, q
+
+    def mutations(self, n: int) -> list[tuple[np.ndarray, Any]]:
+        done = sorted(self.complete(), key=lambda t: t.values[0])
+        if not done:
+            return []
+        parents = done[: max(1, min(5, len(done)))]
+        out = []
+        G = len(self.space.groups)
+        for _ in range(n):
+            p = parents[min(int(self.rng.geometric(0.5)) - 1, len(parents) - 1)]
+            lv = self.space.levels_of(p.params).copy()
+            q = self.space.quantizer_of(p.params)
+            for gi in self.rng.choice(G, size=int(self.rng.integers(1, 4)), replace=False):
+                top = self.space.groups[gi].n_levels - 1
+                lv[gi] = int(np.clip(lv[gi] + self.rng.choice([-1, 1, 1]), 0, top))
+            if self.rng.random() < 0.1 and len(self.space.quantizers()) > 1:
+                qs = self.model.feasible_quantizers(self.budget)
+                q = qs[int(self.rng.integers(len(qs)))]
+            lv, q, _ = repair(self.model, lv, q, self.budget, self.damage)
+            out.append((lv, q))
+        return out
+
+    def step_single(self) -> None:
+        """Ask one trial, repair, evaluate (skip duplicates)."""
+        for _ in range(50):
+            t = self.ask()
+            source = t.user_attrs.get("kvplan.source", "tpe")
+            lv, q = self.repaired(t.params)
+            if _key(lv, q) in self.evaluated_keys():
+                t.set_user_attr("kvplan.role", "duplicate")
+                self.study.tell(t, state=TrialState.FAIL)
+                continue
+            self.evaluate(lv, q, source, asked=t)
+            return
+        # TPE keeps proposing known plans: fall back to a mutation
+        for lv, q in self.mutations(20):
+            if _key(lv, q) not in self.evaluated_keys():
+                self.evaluate(lv, q, "mutation")
+                return
+
+    def step_surrogate(self) -> None:
+        done = self.complete()
+        items = [(self.space.levels_of(t.params), self.space.quantizer_of(t.params)) for t in done]
+        y = log_kl([t.values[0] for t in done])
+        sur = ForestSurrogate(seed=self.seed + len(done)).fit(self._features(items), y)
+        seen = {_key(lv, q) for lv, q in items}
+        cands: list[tuple[np.ndarray, Any, Any, str]] = []  # (levels, q, asked trial or None, source)
+        asked = [self.ask() for _ in range(self.n_candidates)]
+        for t in asked:
+            lv, q = self.repaired(t.params)
+            cands.append((lv, q, t, "tpe+surrogate"))
+        for lv, q in self.mutations(self.n_local):
+            cands.append((lv, q, None, "mutation+surrogate"))
+        uniq, keys = [], set()
+        for c in cands:
+            k = _key(c[0], c[1])
+            if k in seen or k in keys:
+                continue
+            keys.add(k)
+            uniq.append(c)
+        chosen: set[int] = set()
+        preds = np.zeros(len(uniq))
+        if uniq:
+            order, preds = sur.rank(self._features([(c[0], c[1]) for c in uniq]), self.kappa)
+            chosen = set(int(i) for i in order[: self.top_k])
+        chosen_ids = {id(uniq[i]) for i in chosen}
+        evaluated_trials = set()
+        for i, c in enumerate(uniq):
+            if id(c) in chosen_ids:
+                if self.complete_count() >= self.n_trials:
+                    break
+                self.evaluate(c[0], c[1], c[3], asked=c[2], pred=float(preds[i]))
+                if c[2] is not None:
+                    evaluated_trials.add(id(c[2]))
+        pred_of = {id(c[2]): float(preds[i]) for i, c in enumerate(uniq) if c[2] is not None}
+        for t in asked:
+            if id(t) in evaluated_trials:
+                continue
+            t.set_user_attr("kvplan.role", "screened")
+            if id(t) in pred_of:
+                t.set_user_attr("kvplan.pred_log_kl", pred_of[id(t)])
+            self.study.tell(t, state=TrialState.FAIL)
+        if not chosen:  # nothing new proposed: keep going with single steps
+            self.step_single()
+
+    def complete_count(self) -> int:
+        return len(self.complete())
+
+    def waiting(self) -> bool:
+        return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
+    def run(self) -> None:
+        n0 = self.complete_count()
+        if self.show_progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.n_trials, initial=min(n0, self.n_trials), desc="kvplan search",
+                            unit="trial", dynamic_ncols=True)
+        try:
+            stall = 0
+            while True:
+                n = self.complete_count()
+                if n >= self.n_trials:
+                    break
+                if self.waiting() or not self.use_surrogate or n < self.n_startup:
+                    self.step_single()
+                else:
+                    self.step_surrogate()
+                stall = stall + 1 if self.complete_count() == n else 0
+                if stall > 20:
+                    break  # the space is exhausted (tiny spaces)
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+
+
+# ----------------------------------------------------------------------------- results
+def _trial_rows(space: SearchSpace, trials) -> list[dict]:
+    rows = []
+    for t in trials:
+        q = space.quantizer_of(t.params)
+        table = space.table_of(t.params)
+        m = t.user_attrs.get("kvplan.metrics", {}) or {}
+        row = {"number": t.number, "source": t.user_attrs.get("kvplan.source", ""), "kl": t.values[0],
+               "bpv": t.user_attrs.get("kvplan.bpv"), "group_size": q.group_size, "key_axis": q.key_axis,
+               "value_axis": q.value_axis, "residual_length": q.residual_length,
+               "pred_log_kl": t.user_attrs.get("kvplan.pred_log_kl", "")}
+        for k in ("nll", "accuracy", "kl_se"):
+            row[k] = m.get(k, "")
+        row["bits"] = " ".join(str(int(b)) for b in table.ravel())
+        rows.append(row)
+    return rows
+
+
+def write_history(path, space: SearchSpace, trials) -> None:
+    rows = _trial_rows(space, sorted(trials, key=lambda t: t.number))
+    buf = io.StringIO()
+    cols = ["number", "source", "kl", "bpv", "group_size", "key_axis", "value_axis", "residual_length",
+            "pred_log_kl", "nll", "accuracy", "kl_se", "bits"]
+    w = csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    for r in rows:
+        w.writerow(r)
+    atomic_write_text(path, buf.getvalue())
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of non-dominated (kl, bpv) points (both minimized), by increasing bpv."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][1], points[i][0]))
+    front, best = [], float("inf")
+    for i in order:
+        if points[i][0] < best:
+            front.append(i)
+            best = points[i][0]
+    return front
+
+
+def sidecar_paths(out) -> dict[str, str]:
+    out = os.fspath(out)
+    stem = out[: -len(".yaml")] if out.endswith(".yaml") else out[: -len(".yml")] if out.endswith(".yml") else out
+    return {"plan": out, "trials": stem + ".trials.csv", "search": stem + ".search.json"}
+
+
+# ----------------------------------------------------------------------------- public API
+def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_trials: int = 120, seed: int = 0,
+           storage=None, study_name: str | None = None, out: str | os.PathLike | None = "plan.yaml", *,
+           scorer: Scorer | None = None, heldout_scorer: Scorer | None = None, reference: Reference | None = None,
+           bits: Sequence[int] = DEFAULT_BITS, group_sizes: Sequence[int] = DEFAULT_GROUP_SIZES,
+           residual_lengths: Sequence[int] = DEFAULT_RESIDUAL_LENGTHS, key_axes: Sequence[str] = DEFAULT_KEY_AXES,
+           pareto: bool = False, profile: bool = True, baselines: bool = True, surrogate: bool = True,
+           n_candidates: int = 16, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
+           worker: int | None = None, progress: bool = True) -> SearchResult:
+    """Search a mixed-precision KV-cache plan under an honest bpv budget.
+
+    ``model``: a model name/path (scored by :mod:`kvplan.evaluation`), a loaded model, or a
+    :class:`Geometry` when ``scorer`` is given. ``budget``: ``"2.5bpv"``, ``2.5`` or a list of
+    budgets (multi-objective: Pareto front of KL vs bpv, one plan per budget). ``n_trials``:
+    total real evaluations the study should hold (across workers and resumes; the
+    sensitivity profile's evaluations come on top). ``storage``/``study_name``: share or
+    resume a study (journal file path or RDB URL). ``out``: plan path (``None``: no files).
+
+    Returns a :class:`SearchResult`; ``result.plan`` is the exported plan.
+    """
+    t_start = time.perf_counter()
+    budgets = [parse_budget(b) for b in (budget if isinstance(budget, (list, tuple)) else [budget])]
+    multi = pareto or len(budgets) > 1
+    if scorer is None:
+        scorer, default_heldout = _default_scorers(model, seed)
+        heldout_scorer = heldout_scorer or default_heldout
+    geometry = getattr(scorer, "geometry", None)
+    if geometry is None:
+        if isinstance(model, Geometry):
+            geometry = model
+        elif hasattr(model, "config"):
+            geometry = Geometry.of(model)
+        else:
+            raise KVPlanError("the scorer has no .geometry and model is not a loaded model or Geometry")
+    modalities = tuple(getattr(scorer, "modalities", None) or ("text",))
+    if reference is None:
+        reference = getattr(scorer, "reference", None) or Reference()
+    space = SearchSpace(geometry, modalities, granularity, bits, group_sizes, residual_lengths, key_axes)
+    bmodel = BpvModel(space, reference)
+    for b in budgets:
+        bmodel.check_budget(b)
+
+    st = make_storage(storage)
+    persistent = is_persistent(st)
+    study_name = study_name or f"kvplan-{granularity}-{'-'.join(f'{b:g}' for b in budgets)}bpv-s{seed}"
+    study = optuna.create_study(storage=st, study_name=study_name, load_if_exists=True,
+                                directions=["minimize", "minimize"] if multi else ["minimize"])
+    n_existing = len(study.get_trials(deepcopy=False))
+    if worker is not None:
+        sampler_seed = seed + 7919 * worker
+    elif persistent:
+        sampler_seed = (seed * 1_000_003 + os.getpid() * 31 + n_existing) % (2 ** 31)
+    else:
+        sampler_seed = seed
+    study.sampler = optuna.samplers.TPESampler(seed=sampler_seed, multivariate=True, n_startup_trials=n_startup,
+                                               constant_liar=True)
+    desc = {"space": space.describe(), "budgets": budgets,
+            "reference": {"context_len": reference.context_len, "modality_mix": dict(reference.modality_mix)}}
+    old = study.user_attrs.get("kvplan.setup")
+    if old is not None and old != _plain(desc):
+        raise KVPlanError(f"study {study_name!r} in {storage} was created with a different setup ({old}); use "
+                          "another study_name or the same granularity, bits, budget and reference")
+    if old is None:
+        study.set_user_attr("kvplan.setup", _plain(desc))
+    if persistent:
+        fail_orphaned_trials(study)
+
+    prof = None
+    n_profile_evals = 0
+    if profile:
+        prof = study.user_attrs.get("kvplan.profile")
+        if prof is None:
+            prof = run_profile(scorer, space, reference)
+            n_profile_evals = len(prof)
+            study.set_user_attr("kvplan.profile", prof)
+    s = _Searcher(space=space, reference=reference, budgets=sorted(budgets), scorer=scorer, study=study, seed=seed,
+                  rng_seed=sampler_seed, n_trials=n_trials, surrogate=surrogate, n_candidates=n_candidates,
+                  n_local=n_local, top_k=top_k, n_startup=n_startup, kappa=kappa, persistent=persistent,
+                  progress=progress, profile=prof, multi=multi)
+    s.enqueue_seeds(baselines)
+    s.run()
+
+    done = sorted(s.complete(), key=lambda t: t.number)
+    if not done:
+        raise KVPlanError("the search finished without any successful evaluation")
+    points = [(t.values[0], t.user_attrs["kvplan.bpv"]) for t in done]
+    curve, best = [], None
+    for t in done:
+        if best is None or t.values[0] < best[0]:
+            best = (t.values[0], t.user_attrs["kvplan.bpv"])
+        curve.append((len(curve) + 1, best[0], best[1]))
+    front = [{"number": done[i].number, "kl": points[i][0], "bpv": points[i][1],
+              "source": done[i].user_attrs.get("kvplan.source", "")} for i in pareto_front(points)]
+
+    plans: dict[float, Plan] = {}
+    base_metrics = {"search": {"granularity": granularity, "n_trials": len(done), "n_profile_evals":
+                               len(prof) if prof else 0, "seed": seed, "study_name": study_name,
+                               "surrogate": surrogate}}
+    for b in sorted(budgets):
+        fits = [t for t in done if t.user_attrs["kvplan.bpv"] <= b + EPS]
+        if not fits:
+            continue
+        bt = min(fits, key=lambda t: (t.values[0], t.number))
+        plan = space.plan_of(bt.params, reference)
+        cal = dict(bt.user_attrs.get("kvplan.metrics", {}))
+        cal["kl"] = bt.values[0]
+        metrics = {**base_metrics, "calibration": _plain(cal)}
+        metrics["search"] = {**metrics["search"], "trial": bt.number,
+                             "source": bt.user_attrs.get("kvplan.source", "")}
+        if heldout_scorer is not None:
+            metrics["heldout"] = _plain(_metrics_of(heldout_scorer(plan)))
+        bpv = plan.bpv()
+        metrics["bpv"] = _plain(bpv.as_dict())
+        name = f"{getattr(scorer, 'model_name', None) or geometry.model_type}-{granularity}-{b:g}bpv"
+        plans[b] = plan.replace(target_bpv=b, metrics=_plain(metrics), name=name, provenance=Provenance(
+            produced_by="kvplan search", seed=seed, data_hash=getattr(scorer, "data_hash", None)))
+
+    main_plan = plans[min(plans)]
+    paths = {}
+    if out is not None:
+        for b, plan in plans.items():
+            o = os.fspath(out)
+            if len(plans) > 1:
+                stem, ext = os.path.splitext(o)
+                o = f"{stem}-{b:g}bpv{ext or '.yaml'}"
+            p = sidecar_paths(o)
+            plan.to_yaml(p["plan"])
+            paths[f"plan@{b:g}"] = p["plan"]
+        p = sidecar_paths(out)
+        write_history(p["trials"], space, done)
+        sidecar = {"space": space.describe(), "budgets": budgets, "multi_objective": multi,
+                   "reference": desc["reference"], "profile": prof, "curve": curve, "pareto": front,
+                   "seed": seed, "study_name": study_name, "storage": None if storage is None else str(storage),
+                   "baselines": [{"number": t.number, "source": t.user_attrs["kvplan.source"], "kl": t.values[0],
+                                  "bpv": t.user_attrs["kvplan.bpv"]} for t in done
+                                 if str(t.user_attrs.get("kvplan.source", "")).startswith("baseline:")],
+                   "plans": {f"{b:g}": paths.get(f"plan@{b:g}") for b in plans}}
+        atomic_write_text(p["search"], json.dumps(_plain(sidecar), indent=1))
+        paths.update(trials=p["trials"], search=p["search"], plan=paths[f"plan@{min(plans):g}"])
+    return SearchResult(plan=main_plan, plans=plans, study=study, space=space, budgets=budgets, profile=prof,
+                        curve=curve, pareto=front, n_real_evals=s.n_evals, n_profile_evals=n_profile_evals,
+                        elapsed_s=time.perf_counter() - t_start, paths=paths)

@@ -1,0 +1,127 @@
+"""End-to-end search on the synthetic scorer: feasibility, determinism, export, Pareto mode."""
+
+import csv
+import json
+import os
+
+import numpy as np
+import pytest
+from optuna.trial import TrialState
+
+from kvplan.plans import Plan
+from kvplan.search import BudgetError, search
+from tests.search.synthetic import SyntheticScorer
+
+FAST = dict(n_candidates=6, n_local=10, progress=False)
+
+
+class Recorder(SyntheticScorer):
+    """Records the bpv of every plan it is asked to score (profile plans separately)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.trial_bpv, self.profile_bpv = [], []
+
+    def __call__(self, plan):
+        (self.profile_bpv if plan.provenance.produced_by.endswith("profile") else self.trial_bpv).append(
+            plan.bpv().total)
+        return super().__call__(plan)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("s") / "plan.yaml"
+    sc = Recorder()
+    r = search(budget="2.8bpv", n_trials=30, seed=0, scorer=sc, heldout_scorer=SyntheticScorer(seed=0), out=out,
+               **FAST)
+    return r, sc, out
+
+
+def test_never_evaluates_over_budget(run):
+    r, sc, _ = run
+    assert len(sc.trial_bpv) == 30 == r.n_real_evals
+    assert max(sc.trial_bpv) <= 2.8 + 1e-9
+    assert sc.profile_bpv and len(sc.profile_bpv) == r.n_profile_evals  # diagnostic, not trials
+    for t in r.study.get_trials(states=(TrialState.COMPLETE,)):
+        assert t.user_attrs["kvplan.bpv"] <= 2.8 + 1e-9
+        # the COMPLETE trial's params are exactly the evaluated (repaired) plan
+        assert r.space.plan_of(t.params, r.plan.reference).bpv().total == pytest.approx(t.user_attrs["kvplan.bpv"])
+    roles = {t.user_attrs.get("kvplan.role") for t in r.study.get_trials(states=(TrialState.FAIL,))}
+    assert roles <= {"repaired", "screened", "duplicate"}
+
+
+def test_seeds_and_surrogate_used(run):
+    r, _, _ = run
+    sources = [t.user_attrs["kvplan.source"] for t in r.study.get_trials(states=(TrialState.COMPLETE,))]
+    assert any(s.startswith("knapsack") for s in sources)
+    assert any(s.startswith("baseline:int2") for s in sources)
+    assert any(s.endswith("+surrogate") for s in sources)
+    base = min(t.values[0] for t in r.study.get_trials(states=(TrialState.COMPLETE,))
+               if t.user_attrs["kvplan.source"].startswith("baseline:"))
+    assert r.plan.metrics["calibration"]["kl"] < base
+
+
+def test_export_and_history(run):
+    r, _, out = run
+    plan = Plan.from_yaml(out)
+    assert np.array_equal(plan.table(), r.plan.table())
+    assert plan.target_bpv == 2.8
+    assert plan.bpv().total <= 2.8 + 1e-9
+    assert plan.metrics["heldout"]["kl"] > 0
+    assert plan.metrics["bpv"]["total"] == pytest.approx(plan.bpv().total)
+    assert plan.provenance.produced_by == "kvplan search" and plan.provenance.seed == 0
+    with open(str(out).replace(".yaml", ".trials.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 30
+    assert len(rows[0]["bits"].split()) == plan.table().size
+    side = json.load(open(str(out).replace(".yaml", ".search.json")))
+    assert side["space"]["granularity"] == "slot" and side["profile"] and side["curve"][-1][1] == pytest.approx(
+        plan.metrics["calibration"]["kl"])
+
+
+def test_same_seed_same_plan(run, tmp_path):
+    r, _, _ = run
+    r2 = search(budget="2.8bpv", n_trials=30, seed=0, scorer=Recorder(), out=None, **FAST)
+    assert np.array_equal(r2.plan.table(), r.plan.table()) and r2.plan.quantizer == r.plan.quantizer
+    assert r2.curve == r.curve
+
+
+def test_infeasible_budget_fails_fast():
+    sc = Recorder()
+    with pytest.raises(BudgetError, match="cheapest reachable plan"):
+        search(budget="2.0bpv", n_trials=5, scorer=sc, out=None, **FAST)
+    assert sc.calls == 0
+
+
+@pytest.mark.parametrize("granularity", ["layer_kv", "kvtuner"])
+def test_coarse_granularities(granularity):
+    r = search(budget=3.0, granularity=granularity, n_trials=12, scorer=SyntheticScorer(), out=None, profile=False,
+               **FAST)
+    assert r.plan.bpv().total <= 3.0 + 1e-9
+    assert r.space.levels_of_table(r.plan.table()) is not None
+
+
+def test_pareto_mode_one_plan_per_budget(tmp_path):
+    out = tmp_path / "p.yaml"
+    r = search(budget=["2.6bpv", "3.2bpv"], n_trials=25, scorer=SyntheticScorer(), out=out, **FAST)
+    assert sorted(r.plans) == [2.6, 3.2]
+    for b, plan in r.plans.items():
+        assert plan.bpv().total <= b + 1e-9
+        assert os.path.exists(tmp_path / f"p-{b:g}bpv.yaml")
+    assert r.plans[3.2].metrics["calibration"]["kl"] <= r.plans[2.6].metrics["calibration"]["kl"]
+    kls = [p["kl"] for p in r.pareto]
+    assert kls == sorted(kls, reverse=True)  # by increasing bpv, decreasing KL
+    t = r.study.get_trials(states=(TrialState.COMPLETE,))[0]
+    assert len(t.values) == 2
+
+
+def test_resume_in_process(tmp_path):
+    storage = str(tmp_path / "s.journal")
+    r1 = search(budget=3.0, n_trials=10, scorer=SyntheticScorer(), storage=storage, study_name="x", out=None,
+                worker=0, **FAST)
+    first = {t.number: t.values[0] for t in r1.study.get_trials(states=(TrialState.COMPLETE,))}
+    sc = SyntheticScorer()
+    r2 = search(budget=3.0, n_trials=16, scorer=sc, storage=storage, study_name="x", out=None, worker=0, **FAST)
+    done = {t.number: t.values[0] for t in r2.study.get_trials(states=(TrialState.COMPLETE,))}
+    assert len(done) == 16 and all(done[k] == v for k, v in first.items())
+    assert sc.calls == 6  # profile reused from the study, only the missing trials evaluated

@@ -1,0 +1,134 @@
+"""Search space <-> tables, honest-bpv model, budget parsing, repair and the knapsack seed."""
+
+import numpy as np
+import pytest
+from optuna.distributions import CategoricalDistribution, IntDistribution
+
+from kvplan.plans import Plan, QuantizerSettings
+from kvplan.search import (
+    BpvModel,
+    BudgetError,
+    SearchSpace,
+    group_damage,
+    knapsack_seed,
+    parse_budget,
+    repair,
+)
+from tests.search.synthetic import GEOM, MODS, REF
+
+
+@pytest.mark.parametrize("granularity,n_groups", [("slot", 6 * 2 * 2 * 2), ("layer_kv", 12), ("layer", 6),
+                                                   ("kvtuner", 6)])
+def test_space_groups_and_roundtrip(granularity, n_groups):
+    sp = SearchSpace(GEOM, MODS, granularity)
+    assert len(sp.groups) == n_groups
+    dists = sp.distributions()
+    assert all(isinstance(dists[g.name], IntDistribution) for g in sp.groups)  # ordinal bit levels
+    assert isinstance(dists["q.group_size"], CategoricalDistribution)
+    assert "q.key_axis" not in dists  # one choice: fixed
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        lv = np.array([rng.integers(g.n_levels) for g in sp.groups])
+        table = sp.table_of_levels(lv)
+        assert table.shape == (6, 2, 2, 2)
+        assert np.array_equal(sp.levels_of_table(table), lv)
+        q = sp.quantizers()[int(rng.integers(len(sp.quantizers())))]
+        params = sp.params_of(lv, q)
+        assert sp.quantizer_of(params) == q
+        assert np.array_equal(sp.table_of(params), table)
+
+
+def test_level_order_is_bit_order():
+    sp = SearchSpace(GEOM, MODS, "slot", bits=(16, 2, 8, 4, 3))
+    assert sp.bits == (2, 3, 4, 8, 16)
+    assert list(sp.groups[0].level_bits[:, 0]) == [2, 3, 4, 8, 16]
+    kv = SearchSpace(GEOM, MODS, "kvtuner")
+    costs = [k + v for k, v in kv.pairs]
+    assert costs == sorted(costs)
+
+
+def test_coarse_space_cannot_express_mixed_heads():
+    sp = SearchSpace(GEOM, MODS, "layer_kv")
+    t = sp.table_of_levels(np.zeros(len(sp.groups), dtype=int))
+    t[0, 0, 0, 0] = 8
+    assert sp.levels_of_table(t) is None
+
+
+@pytest.mark.parametrize("text,value", [("2.5bpv", 2.5), ("2.5", 2.5), (" 3 bpv", 3.0), (2.5, 2.5), (4, 4.0),
+                                        ("2.5BPV", 2.5)])
+def test_parse_budget(text, value):
+    assert parse_budget(text) == value
+
+
+@pytest.mark.parametrize("bad", ["abc", "-1", "0bpv", "", None, True, "2.5 bytes"])
+def test_parse_budget_rejects(bad):
+    with pytest.raises(BudgetError):
+        parse_budget(bad)
+
+
+@pytest.mark.parametrize("granularity", ["slot", "layer_kv", "kvtuner"])
+def test_bpv_model_equals_accounting(granularity):
+    sp = SearchSpace(GEOM, MODS, granularity, key_axes=("channel", "token"))
+    model = BpvModel(sp, REF)
+    rng = np.random.default_rng(1)
+    for q in sp.quantizers():
+        lv = np.array([rng.integers(g.n_levels) for g in sp.groups])
+        plan = Plan.from_table(sp.table_of_levels(lv), GEOM, MODS, quantizer=q, reference=REF)
+        assert model.bpv(lv, q) == pytest.approx(plan.bpv().total, abs=1e-9)
+        assert model.floor(q) == pytest.approx(
+            Plan.from_table(sp.table_of_levels(np.zeros_like(lv)), GEOM, MODS, quantizer=q,
+                            reference=REF).bpv().total, abs=1e-9)
+
+
+def test_infeasible_budget_names_cheapest():
+    sp = SearchSpace(GEOM, MODS, "slot")
+    model = BpvModel(sp, REF)
+    lo, q = model.cheapest()
+    # 2-bit codes + g128 K scales (+ one split group at the text/doc boundary) + 64-wide V groups, no residual
+    assert 2.375 <= lo < 2.4 and q.group_size == 128 and q.residual_length == 0
+    with pytest.raises(BudgetError, match=f"{lo:.4f} bpv"):
+        model.check_budget(2.0)
+    model.check_budget(lo)
+
+
+def test_repair_reaches_budget_and_keeps_feasible():
+    sp = SearchSpace(GEOM, MODS, "slot")
+    model = BpvModel(sp, REF)
+    dmg = group_damage(sp, None)
+    top = np.array([g.n_levels - 1 for g in sp.groups])
+    q = QuantizerSettings(group_size=32, residual_length=128)  # floor above 2.6 at context 1024
+    assert model.floor(q) > 2.6
+    lv, q2, changed = repair(model, top, q, 2.6, dmg)
+    assert changed and model.bpv(lv, q2) <= 2.6 + 1e-9 and model.floor(q2) <= 2.6
+    # an already feasible proposal is untouched
+    lv3, q3, changed3 = repair(model, lv, q2, 2.6, dmg)
+    assert not changed3 and q3 == q2 and np.array_equal(lv3, lv)
+
+
+def test_repair_lowers_least_sensitive_first():
+    sp = SearchSpace(GEOM, MODS, "layer_kv")
+    model = BpvModel(sp, REF)
+    sens = np.ones(int(np.prod(sp.shape)))
+    t = np.zeros(sp.shape)
+    t[0, :, 0, :] = 1000.0  # layer 0 keys very sensitive
+    sens = sens + t.ravel()
+    dmg = group_damage(sp, sens)
+    top = np.full(len(sp.groups), 3)  # all 8 bits
+    q = QuantizerSettings(group_size=128, residual_length=0)
+    lv, _, _ = repair(model, top, q, 3.2, dmg)
+    names = [g.name for g in sp.groups]
+    assert lv[names.index("L00.k")] == lv.max()  # the sensitive group keeps the most bits
+
+
+def test_knapsack_seed_feasible_and_beats_uniform():
+    sp = SearchSpace(GEOM, MODS, "slot")
+    model = BpvModel(sp, REF)
+    rng = np.random.default_rng(0)
+    sens = rng.lognormal(0, 1.5, size=int(np.prod(sp.shape)))
+    dmg = group_damage(sp, sens)
+    q = QuantizerSettings(group_size=128, residual_length=0)
+    lv = knapsack_seed(model, q, 3.0, dmg)
+    assert model.bpv(lv, q) <= 3.0 + 1e-9
+    uni = np.zeros(len(sp.groups), dtype=int)  # all 2-bit fits; 3-bit does not at g128? check damage only
+    idx = np.arange(len(lv))
+    assert dmg[idx, lv].sum() < dmg[idx, uni].sum()

@@ -1,0 +1,82 @@
+"""Plan features, the random-forest surrogate and consensus importance."""
+
+import numpy as np
+import pytest
+
+from kvplan.surrogates import (
+    METHODS,
+    ForestSurrogate,
+    PlanFeatures,
+    component_importance,
+    consensus_importance,
+    importance_from_history,
+    log_kl,
+)
+
+SHAPE = (4, 2, 2, 2)
+MODS = ("text", "doc")
+
+
+def _tables(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.choice([2, 3, 4, 8, 16], size=(n,) + SHAPE)
+
+
+def test_features_names_and_values():
+    f = PlanFeatures(SHAPE, MODS, with_prior=True)
+    t = _tables(3)
+    X = f.transform(t, [32, 64, 128], [0, 0, 128], ["channel", "token", "channel"], [2.5, 3.0, 4.0], [1.0, 2.0, 3.0])
+    assert X.shape == (3, len(f.names))
+    assert len(set(f.names)) == len(f.names)
+    i = f.names.index("mean:k")
+    assert X[0, i] == pytest.approx(np.log2(t[0][:, :, 0]).mean())
+    assert X[1, f.names.index("q.key_axis_channel")] == 0.0
+    assert X[2, f.names.index("bpv")] == 4.0
+
+
+def test_forest_surrogate_learns_and_ranks():
+    t = _tables(120)
+    y = log_kl(np.exp(-np.log2(t[:, 0, 0, 0, 1])) + 0.01 * np.exp(-np.log2(t[:, 1, 1, 1, 0])))
+    f = PlanFeatures(SHAPE, MODS)
+    X = f.transform(t, [32] * 120, [0] * 120, ["channel"] * 120, [3.0] * 120)
+    sur = ForestSurrogate(seed=0).fit(X[:100], y[:100])
+    mean, std = sur.predict(X[100:])
+    assert np.corrcoef(mean, y[100:])[0, 1] > 0.8
+    order, _ = sur.rank(X[100:])
+    assert y[100:][order[0]] <= np.median(y[100:])
+
+
+def test_consensus_importance_finds_the_driver():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(80, 6))
+    y = 3 * X[:, 2] + 0.3 * X[:, 4] + 0.01 * rng.normal(size=80)
+    imp = consensus_importance(X, y, [f"f{i}" for i in range(6)], seed=0, n_estimators=50)
+    for m in METHODS:
+        assert imp.methods[m].sum() == pytest.approx(1.0)
+        assert int(np.argmax(imp.methods[m])) == 2
+    assert imp.consensus.sum() == pytest.approx(1.0)
+    assert imp.ranking(1)[0][0] == "f2"
+
+
+def test_duplicate_and_constant_columns():
+    rng = np.random.default_rng(1)
+    a = rng.normal(size=60)
+    X = np.stack([a, a, np.ones(60), rng.normal(size=60)], axis=1)
+    imp = consensus_importance(X, 2 * a, ["a1", "a2", "const", "noise"], seed=0, n_estimators=50)
+    assert imp.consensus[0] == pytest.approx(imp.consensus[1])
+    assert imp.consensus[2] == 0.0
+    assert imp.consensus[0] + imp.consensus[1] > 0.75
+
+
+def test_component_importance_groups():
+    t = _tables(60, seed=3)
+    kl = np.exp(-2 * np.log2(t[:, 1, 0, 0, 1]))  # layer 1, head 0, K, doc drives KL
+    imp = importance_from_history(t, {"group_size": [32] * 60, "residual_length": [0] * 60,
+                                      "key_axis": ["channel"] * 60}, kl, MODS, seed=0, n_estimators=50)
+    comp = component_importance(imp, SHAPE, MODS)
+    assert comp["kind"]["k"] > comp["kind"]["v"]
+    assert comp["modality"]["doc"] > comp["modality"]["text"]
+    assert max(comp["layer"], key=comp["layer"].get) == "L01"
+    assert max(comp["head"], key=comp["head"].get) == "L01.H0"
+    assert sum(comp["kind"].values()) + sum(comp["quantizer"].values()) == pytest.approx(100.0)
+    assert max(comp["slot"], key=comp["slot"].get) == "L01.H0.k.doc"
