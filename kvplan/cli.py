@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="kvplan", description="Find, explain and deploy mixed-precision KV-cache plans.")
     p.add_argument("--version", action="version", version=f"kvplan {__version__}")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; use 1 on a busy machine)")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("search", help="search a plan under an honest bits-per-value budget")
@@ -164,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         return int(args.func(args) or 0)
     except KVPlanError as e:
