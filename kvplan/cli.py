@@ -88,6 +88,17 @@ def _cmd_sweep(args) -> int:
     return 0
 
 
+def _add_task_args(p: argparse.ArgumentParser) -> None:
+    """Model and task options shared by ``eval`` and ``sweep``."""
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--task", default="default", help="'default' (offline Python docs) or a JSONL task file")
+    p.add_argument("--split", default="heldout", choices=["calibration", "heldout"])
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--history-tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ._version import __version__
 
@@ -127,25 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a plan or baseline under the historical-cache protocol")
     e.add_argument("plan", help="plan file, baseline name (fp16, int8, int4, int2, k4v2[-g64]), headguard, "
                    "or a QuantizedCache peer (quanto-int4, hqq-int2)")
-    e.add_argument("--model", default="smollm2-135m")
-    e.add_argument("--task", default="default", help="'default' (offline Python docs) or a JSONL task file")
-    e.add_argument("--split", default="heldout", choices=["calibration", "heldout"])
-    e.add_argument("--samples", type=int, default=16)
-    e.add_argument("--history-tokens", type=int, default=512)
-    e.add_argument("--seed", type=int, default=0)
+    _add_task_args(e)
     e.add_argument("--out", help="JSON results file")
-    e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=_cmd_eval)
 
     w = sub.add_parser("sweep", help="sensitivity landscape: {FP16, INT8, INT4, INT2} x modality x {K, V}")
-    w.add_argument("--model", default="smollm2-135m")
-    w.add_argument("--task", default="default")
-    w.add_argument("--split", default="heldout", choices=["calibration", "heldout"])
-    w.add_argument("--samples", type=int, default=16)
-    w.add_argument("--history-tokens", type=int, default=512)
-    w.add_argument("--seed", type=int, default=0)
+    _add_task_args(w)
     w.add_argument("--out-dir", default="sweep-results")
-    w.add_argument("--quiet", action="store_true")
     w.set_defaults(func=_cmd_sweep)
 
     v = sub.add_parser("validate", help="check a plan file (and optionally that it fits a model)")

@@ -104,14 +104,20 @@ def run_eval(plan_or_baseline, model="smollm2-135m", task: str = "default", spli
                          dtype, progress, verbose)
 
 
-def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_tokens, eval_tokens, dtype,
-              progress, verbose) -> dict:
-    t0 = time.perf_counter()
+def _prepared_task(model, dtype, task, split, samples, history_tokens, eval_tokens, seed, progress):
+    """Model, task samples and their full-precision prefills: ``(m, proc, samples, prepared, modalities, kw)``."""
     m, proc = get_model(model, dtype)
     kw = {"history_tokens": history_tokens, "eval_tokens": eval_tokens, "seed": seed} if task == "default" else {}
     ss = task_samples(task, m, proc, split=split, n=samples, **kw)
     prepared = prepare_samples(m, ss, pad_id=pad_token_id(proc), progress=progress)
-    mods = _modalities(ss)
+    return m, proc, ss, prepared, _modalities(ss), kw
+
+
+def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_tokens, eval_tokens, dtype,
+              progress, verbose) -> dict:
+    t0 = time.perf_counter()
+    m, proc, ss, prepared, mods, kw = _prepared_task(model, dtype, task, split, samples, history_tokens,
+                                                     eval_tokens, seed, progress)
     peer = parse_peer(plan_or_baseline) if isinstance(plan_or_baseline, str) else None
     if peer is not None:
         r = evaluate_peer(m, peer[0], peer[1], prepared, seed=seed, progress=progress)
@@ -133,9 +139,9 @@ def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_
     if verbose:
         _print_eval(r)
     if out is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(r, f, indent=1, default=float)
+        from ..plans import atomic_write_text
+
+        atomic_write_text(out, json.dumps(r, indent=1, default=float))
     return r
 
 
@@ -156,11 +162,8 @@ def run_sweep(model="smollm2-135m", samples: int = 16, out_dir: str | os.PathLik
 def _run_sweep(model, samples, out_dir, task, split, bits, seed, history_tokens, eval_tokens, group_size, dtype,
                progress, verbose) -> dict:
     t0 = time.perf_counter()
-    m, proc = get_model(model, dtype)
-    kw = {"history_tokens": history_tokens, "eval_tokens": eval_tokens, "seed": seed} if task == "default" else {}
-    ss = task_samples(task, m, proc, split=split, n=samples, **kw)
-    prepared = prepare_samples(m, ss, pad_id=pad_token_id(proc), progress=progress)
-    mods = _modalities(ss)
+    m, proc, ss, prepared, mods, _ = _prepared_task(model, dtype, task, split, samples, history_tokens,
+                                                    eval_tokens, seed, progress)
     res = sweep_prepared(m, prepared, mods, bits=bits, seed=seed, group_size=group_size, progress=progress)
     res["seconds"] = time.perf_counter() - t0
     meta = {"model": model if isinstance(model, str) else "<object>", "task": task, "split": split,

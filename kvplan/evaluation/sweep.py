@@ -8,6 +8,7 @@ quantized apart from the trailing partial group (< ``group_size`` tokens).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import time
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..models.geometry import Geometry
-from ..plans import uniform_plan
+from ..plans import atomic_write_text, uniform_plan
 from .harness import bootstrap_ratio, evaluate
 
 SWEEP_BITS = (16, 8, 4, 2)
@@ -83,14 +84,15 @@ def write_sweep(out: dict[str, Any], out_dir: str, meta: dict[str, Any]) -> dict
     os.makedirs(out_dir, exist_ok=True)
     paths = {"csv": os.path.join(out_dir, "sweep.csv"), "json": os.path.join(out_dir, "sweep.json"),
              "png": os.path.join(out_dir, "sweep.png")}
-    with open(paths["csv"], "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        for r in out["rows"]:
-            w.writerow({k: r.get(k) for k in CSV_FIELDS})
-    with open(paths["json"], "w") as f:
-        json.dump({"meta": meta, "rows": out["rows"], "ratios": out["ratios"], "results": out["results"]}, f,
-                  indent=1, default=float)
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS)
+    w.writeheader()
+    for r in out["rows"]:
+        w.writerow({k: r.get(k) for k in CSV_FIELDS})
+    atomic_write_text(paths["csv"], buf.getvalue())
+    atomic_write_text(paths["json"], json.dumps(
+        {"meta": meta, "rows": out["rows"], "ratios": out["ratios"], "results": out["results"]}, indent=1,
+        default=float))
     plot_sweep(out["rows"], paths["png"], title=meta.get("title", "KV sensitivity"))
     return paths
 
