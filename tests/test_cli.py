@@ -63,3 +63,38 @@ def test_plan_for_other_model_rejected_with_field(tmp_path):
     r = _kvplan("validate", str(path), "--model", "smollm2-135m")
     assert r.returncode == 2
     assert "model.model_type: plan was made for 'qwen2' but the model has 'llama'" in r.stderr
+
+
+@pytest.mark.slow
+def test_search_then_explain_then_load(tmp_path, smollm2):
+    import json
+
+    import kvplan
+    from kvplan import Plan
+
+    out = tmp_path / "plan.yaml"
+    r = _kvplan("--threads", "1", "search", "--budget", "3.5bpv", "--samples", "2", "--heldout-samples", "2",
+                "--history-tokens", "96", "--eval-tokens", "8", "--trials", "4", "--quiet", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = Plan.from_yaml(out)
+    assert plan.bpv().total <= 3.5 and plan.target_bpv == 3.5
+    assert plan.provenance.produced_by.startswith("kvplan search")
+    assert "heldout" in json.dumps(plan.metrics)
+    r = _kvplan("explain", str(out), "--format", "json", "--figures", str(tmp_path / "fig"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    assert report and (tmp_path / "fig").is_dir() and any(p.suffix == ".png" for p in (tmp_path / "fig").iterdir())
+    model, tok = smollm2
+    kvplan.load(model, str(out))
+    try:
+        gen = model.generate(**tok("def f(x):", return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    finally:
+        kvplan.unload(model)
+    assert gen.shape[1] > 4
+
+
+@pytest.mark.slow
+def test_search_budget_below_cheapest_fails_fast():
+    r = _kvplan("search", "--budget", "1.5bpv", "--samples", "2", "--history-tokens", "96", "--quiet")
+    assert r.returncode == 2
+    assert "cheapest reachable plan" in r.stderr and "Traceback" not in r.stderr
