@@ -113,9 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="smollm2-135m", help="model name, .gguf file, directory or hub id")
     s.add_argument("--granularity", default="slot", choices=["slot", "layer_kv", "layer", "kvtuner"],
                    help="slot = layer x KV head x K/V x modality; layer_kv = KVTuner space; kvtuner = its pairs")
-    s.add_argument("--trials", type=int, default=120, help="real (scored) evaluations in the study")
+    s.add_argument("--trials", type=int, default=60,
+                   help="real (scored) evaluations in the study, after the ~62-evaluation sensitivity profile")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--samples", type=int, default=16, help="calibration samples of the built-in task")
+    s.add_argument("--samples", type=int, default=12, help="calibration samples of the built-in task")
     s.add_argument("--heldout-samples", type=int, default=16, help="held-out samples for the final measurement")
     s.add_argument("--history-tokens", type=int, default=512, help="history length of each sample")
     s.add_argument("--eval-tokens", type=int, default=32, help="evaluated tokens after each history")

@@ -468,7 +468,7 @@ def sidecar_paths(out) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- public API
-def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_trials: int = 120, seed: int = 0,
+def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_trials: int = 60, seed: int = 0,
            storage=None, study_name: str | None = None, out: str | os.PathLike | None = "plan.yaml", *,
            scorer: Scorer | None = None, heldout_scorer: Scorer | None = None, reference: Reference | None = None,
            bits: Sequence[int] = DEFAULT_BITS, group_sizes: Sequence[int] = DEFAULT_GROUP_SIZES,

@@ -93,7 +93,7 @@ def reference_of(samples: Sequence) -> tuple[Reference, tuple[str, ...]]:
     return Reference(context_len=T, modality_mix=tuple(mix)), mods
 
 
-def harness_scorers(model="smollm2-135m", *, seed: int = 0, n_calibration: int = 16, n_heldout: int = 16,
+def harness_scorers(model="smollm2-135m", *, seed: int = 0, n_calibration: int = 12, n_heldout: int = 16,
                     history_tokens: int = 512, eval_tokens: int = 32, progress: bool = True, before_prefill=None):
     """``(calibration_scorer, heldout_scorer)`` on the built-in documentation task.
 
