@@ -138,21 +138,71 @@ def dequantize(
     dtype: torch.dtype = torch.float16,
 ) -> torch.Tensor:
     """Unpack and dequantize back to ``[B, h, T, D]`` in ``dtype``."""
-    codes = unpack_codes(packed, bits, head_dim).float()  # [B, h, T, D]
-    B, h, T, D = codes.shape
+    B, h, T = packed.shape[:3]
+    out = torch.empty(B, h, T, head_dim, dtype=torch.float32, device=packed.device)
+    dequantize_into(out, packed, scale, zero, bits, group_size, axis, head_dim, start_offset)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def dequantize_into(
+    out: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    group_size: int,
+    axis: str,
+    head_dim: int,
+    start_offset: int = 0,
+) -> torch.Tensor:
+    """:func:`dequantize` written into ``out [B, h, T, D]`` (any float dtype); returns ``out``.
+
+    ``out`` may be a view into a larger buffer (e.g. a token range of a ``[B, H, T_all, D]``
+    cache read) as long as its last dimension is contiguous. The arithmetic is the same as
+    :func:`dequantize` (fp32 ``code * scale + zero``, then rounded to ``out.dtype``); an fp32
+    ``out`` is filled in place: codes are unpacked straight into it and the affine map runs
+    in place, so no full-size temporaries are made.
+    """
+    if axis not in ("token", "channel"):
+        raise ValueError(f"unknown quantization axis {axis!r}")
+    if out.dtype != torch.float32 or out.stride(-1) != 1:
+        tmp = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        dequantize_into(tmp, packed, scale, zero, bits, group_size, axis, head_dim, start_offset)
+        return out.copy_(tmp)
+    B, h, T, D = out.shape
+    _unpack_into(out, packed, bits, D)
     if axis == "token":
         g = channel_group_size(group_size, D)
-        out = torch.addcmul(zero.float().unsqueeze(-1), codes.reshape(B, h, T, D // g, g), scale.float().unsqueeze(-1))
-        out = out.reshape(B, h, T, D)
-    elif axis == "channel":
-        n_groups = scale.shape[2]
-        if start_offset == 0 and T == n_groups * group_size:  # whole groups: broadcast, no expansion
-            out = torch.addcmul(zero.float().unsqueeze(3), codes.reshape(B, h, n_groups, group_size, D),
-                                scale.float().unsqueeze(3)).reshape(B, h, T, D)
-        else:
-            s = _expand_groups(scale.float(), group_size, start_offset, T)
-            z = _expand_groups(zero.float(), group_size, start_offset, T)
-            out = torch.addcmul(z, codes, s)
+        o = out.unflatten(-1, (D // g, g))
+        # two in-place passes with one broadcast operand each run vectorized; a single addcmul
+        # broadcasting both scale and zero along the innermost dim does not
+        o.mul_(scale.float().unsqueeze(-1)).add_(zero.float().unsqueeze(-1))
+        return out
+    n_groups = scale.shape[2]
+    if start_offset == 0 and T == n_groups * group_size:  # whole groups: broadcast, no expansion
+        o = out.unflatten(2, (n_groups, group_size))
+        torch.addcmul(zero.float().unsqueeze(3), o, scale.float().unsqueeze(3), out=o)
     else:
-        raise ValueError(f"unknown quantization axis {axis!r}")
-    return out.to(dtype)
+        s = _expand_groups(scale.float(), group_size, start_offset, T)
+        z = _expand_groups(zero.float(), group_size, start_offset, T)
+        torch.addcmul(z, out, s, out=out)
+    return out
+
+
+def _unpack_into(out: torch.Tensor, packed: torch.Tensor, bits: int, n: int) -> None:
+    """Codes of ``packed`` as floats into ``out [..., n]`` (last dimension contiguous)."""
+    qt = qtype(bits)
+    if bits == 8:
+        out.copy_(packed[..., :n])
+    elif qt.unit_bytes == 1 and n % qt.codes_per_unit == 0:
+        # 2 and 4 bits: one uint8 pass per code position of a byte (the top one needs no mask),
+        # each converted straight into its interleaved columns of out
+        cpu = qt.codes_per_unit
+        cols = out.unflatten(-1, (n // cpu, cpu))
+        for j in range(cpu):
+            part = packed if j == 0 else packed >> (j * bits)
+            if j < cpu - 1:
+                part = part & qt.qmax
+            cols[..., j].copy_(part)
+    else:
+        out.copy_(unpack_codes(packed, bits, n))

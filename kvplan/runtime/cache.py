@@ -13,6 +13,7 @@ dequantized.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Sequence
 
@@ -20,6 +21,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import CacheError, PlanError
+from ..kernels import FULL_PRECISION_BITS, _use_triton, reference
 from ..models.geometry import Geometry
 from ..plans import KINDS, Plan, committed_length, label_runs
 from .fused import MAX_FUSED_QUERY, mark_pending
@@ -73,8 +75,11 @@ class KVPlanLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t_new = key_states.shape[-2]
+        # one reduction per kind: any NaN/Inf makes the sum non-finite; only then (or on an
+        # overflowing sum) run the element-wise check that locates it
+        finite_sum = math.isfinite(float(key_states.sum() + value_states.sum()))
         for kind, x in (("k", key_states), ("v", value_states)):
-            if not bool(torch.isfinite(x).all()):
+            if not finite_sum and not bool(torch.isfinite(x).all()):
                 bad = (~torch.isfinite(x)).nonzero()[0].tolist()
                 raise CacheError(
                     f"layer {self.layer_idx}: non-finite {'key' if kind == 'k' else 'value'} states arriving in the "
@@ -157,18 +162,30 @@ class KVPlanLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ storage
     def _read(self, kind: str) -> torch.Tensor:
-        """Dequantized committed tokens followed by the residual: ``[B, H_kv, T, D]``."""
-        parts = [self._decode_segment(seg) for seg in self.segments[kind]]
-        parts.append(self.residual[kind])
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+        """Dequantized committed tokens followed by the residual: ``[B, H_kv, T, D]``.
 
-    def _decode_segment(self, seg: Segment) -> torch.Tensor:
-        if len(seg.blocks) == 1:
-            return seg.blocks[0].decode(self.dtype)
-        res = self.residual["k"]
-        out = torch.empty(res.shape[0], res.shape[1], seg.length, res.shape[-1], dtype=self.dtype, device=res.device)
-        for block in seg.blocks:
-            out[:, list(block.heads)] = block.decode(self.dtype)
+        Hot path of every step on the dequantize-then-attend route: one output tensor is
+        allocated and every packed block is dequantized straight into its token range and
+        heads (on the reference path), then the residual is copied into the tail. No
+        dequantized copy outlives the call.
+        """
+        segs = self.segments[kind]
+        res = self.residual[kind]
+        if not segs:
+            return res
+        B, H, n_res, D = res.shape
+        out = torch.empty(B, H, self.committed + n_res, D, dtype=self.dtype, device=res.device)
+        for seg in segs:
+            rows = out[:, :, seg.start : seg.start + seg.length]
+            for block in seg.blocks:
+                heads = block.heads
+                if len(heads) == H:
+                    _decode_block_into(block, rows)
+                elif heads[-1] - heads[0] + 1 == len(heads):  # a contiguous run of heads: a view
+                    _decode_block_into(block, rows[:, heads[0] : heads[-1] + 1])
+                else:
+                    rows[:, list(heads)] = block.decode(self.dtype)
+        out[:, :, self.committed :].copy_(res)
         return out
 
     def _commit(self) -> None:
@@ -316,6 +333,17 @@ class KVPlanCache(Cache):
                 for h in block.heads:
                     out[h].extend([block.bits] * seg.length)
         return out
+
+
+def _decode_block_into(block: PackedBlock, out: torch.Tensor) -> None:
+    """Write ``block`` dequantized into ``out [B, h, T, D]`` (a view into a read buffer)."""
+    if block.bits == FULL_PRECISION_BITS:
+        out.copy_(block.codes)
+    elif _use_triton(block.codes):
+        out.copy_(block.decode(out.dtype))
+    else:
+        reference.dequantize_into(out, block.codes, block.scale, block.zero, block.bits, block.group_size,
+                                  block.axis, block.head_dim, block.start_offset)
 
 
 def resolve_batch_labels(rows: Sequence[Sequence[str]], attention_mask=None) -> list[str]:
