@@ -539,7 +539,22 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     if profile:
         prof = study.user_attrs.get("kvplan.profile")
         if prof is None:
-            prof = run_profile(scorer, space, reference)
+            bar = None
+            if progress:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(desc="sensitivity profile", unit="eval", leave=False)
+
+            def tick(done: int, total: int) -> None:
+                if bar is not None:
+                    bar.total = total
+                    bar.update(done - bar.n)
+
+            try:
+                prof = run_profile(scorer, space, reference, progress=tick)
+            finally:
+                if bar is not None:
+                    bar.close()
             n_profile_evals = len(prof)
             study.set_user_attr("kvplan.profile", prof)
     s = _Searcher(space=space, reference=reference, budgets=sorted(budgets), scorer=scorer, study=study, seed=seed,
