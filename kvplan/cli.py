@@ -60,8 +60,16 @@ def _cmd_search(args) -> int:
                     seed=args.seed, storage=args.storage, study_name=args.study_name, out=args.out,
                     scorer=scorer, heldout_scorer=heldout, pareto=args.pareto, surrogate=not args.no_surrogate,
                     worker=args.worker, progress=not args.quiet)
-    summary = getattr(result, "summary", None)
-    print(summary() if callable(summary) else result)
+    for budget, plan in sorted(result.plans.items()):
+        bpv = plan.bpv()
+        held = plan.metrics.get("heldout") or {}
+        kl = (f"held-out KL {held['kl']:.4f} [{held.get('kl_ci95_lo', float('nan')):.4f}, "
+              f"{held.get('kl_ci95_hi', float('nan')):.4f}]") if "kl" in held else "no held-out measurement"
+        where = result.paths.get(f"plan@{budget:g}", result.paths.get("plan", "(not written)"))
+        print(f"budget {budget:g} bpv -> {where}: honest bpv {bpv.total:.4f} (payload {bpv.payload:.3f}, "
+              f"scales/zeros {bpv.scales_zeros:.3f}, residual {bpv.residual:.3f}); {kl}")
+    print(f"{result.n_real_evals} real trials + {result.n_profile_evals} profile evaluations in "
+          f"{result.elapsed_s:.0f} s; trial history: {result.paths.get('trials', '(none)')}")
     return 0
 
 
