@@ -18,6 +18,7 @@ from .qtypes import FULL_PRECISION_BITS, GROUP_SIZES, QTYPES, SUPPORTED_BITS, pa
 
 __all__ = [
     "FULL_PRECISION_BITS",
+    "decode_attention",
     "GROUP_SIZES",
     "QTYPES",
     "SUPPORTED_BITS",
@@ -61,3 +62,19 @@ def dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offs
 
         return triton_kernels.dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, dtype)
     return reference.dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, dtype)
+
+
+def decode_attention(q, key_blocks, value_blocks, key_residual, value_residual, attn_mask=None, sm_scale=None):
+    """Decode attention over packed blocks + residual: ``q [B, Hq, Tq, D]`` -> ``[B, Hq, Tq, D]``.
+
+    The fused Triton kernel for CUDA tensors when Triton imports, else the PyTorch reference
+    (dequantize, then softmax attention). See ``triton_kernels.packed_decode_attention``.
+    """
+    if _use_triton(q):
+        from . import triton_kernels
+
+        return triton_kernels.packed_decode_attention(
+            q, key_blocks, value_blocks, key_residual, value_residual, attn_mask, sm_scale)
+    from .attention_reference import reference_decode_attention
+
+    return reference_decode_attention(q, key_blocks, value_blocks, key_residual, value_residual, attn_mask, sm_scale)

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["decode_attention", "reference_decode_attention"]
+__all__ = ["reference_decode_attention"]
 
 
 def _assemble(blocks_per_segment, residual, B, D, device) -> torch.Tensor | None:
@@ -72,16 +72,3 @@ def reference_decode_attention(
             scores = scores + attn_mask.float()
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, v).to(q.dtype)
-
-
-def decode_attention(q, key_blocks, value_blocks, key_residual, value_residual, attn_mask=None, sm_scale=None):
-    """Dispatcher: the fused Triton kernel for CUDA tensors when Triton imports, else the reference."""
-    from . import triton_available
-
-    if q.is_cuda and triton_available():
-        from . import triton_kernels
-
-        return triton_kernels.packed_decode_attention(
-            q, key_blocks, value_blocks, key_residual, value_residual, attn_mask, sm_scale
-        )
-    return reference_decode_attention(q, key_blocks, value_blocks, key_residual, value_residual, attn_mask, sm_scale)
