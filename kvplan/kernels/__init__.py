@@ -23,6 +23,7 @@ __all__ = [
     "QTYPES",
     "SUPPORTED_BITS",
     "dequantize",
+    "dequantize_into",
     "packed_row_bytes",
     "qtype",
     "quantize",
@@ -62,6 +63,13 @@ def dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offs
 
         return triton_kernels.dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, dtype)
     return reference.dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, dtype)
+
+
+def dequantize_into(out, packed, scale, zero, bits, group_size, axis, head_dim, start_offset=0):
+    """:func:`dequantize` written into ``out [B, h, T, D]`` (may be a view into a larger buffer)."""
+    if _use_triton(packed):
+        return out.copy_(dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, out.dtype))
+    return reference.dequantize_into(out, packed, scale, zero, bits, group_size, axis, head_dim, start_offset)
 
 
 def decode_attention(q, key_blocks, value_blocks, key_residual, value_residual, attn_mask=None, sm_scale=None):

@@ -21,7 +21,6 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import CacheError, PlanError
-from ..kernels import FULL_PRECISION_BITS, _use_triton, reference
 from ..models.geometry import Geometry
 from ..plans import KINDS, Plan, committed_length, label_runs
 from .fused import MAX_FUSED_QUERY, mark_pending
@@ -180,9 +179,9 @@ class KVPlanLayer(CacheLayerMixin):
             for block in seg.blocks:
                 heads = block.heads
                 if len(heads) == H:
-                    _decode_block_into(block, rows)
+                    block.decode_into(rows)
                 elif heads[-1] - heads[0] + 1 == len(heads):  # a contiguous run of heads: a view
-                    _decode_block_into(block, rows[:, heads[0] : heads[-1] + 1])
+                    block.decode_into(rows[:, heads[0] : heads[-1] + 1])
                 else:
                     rows[:, list(heads)] = block.decode(self.dtype)
         out[:, :, self.committed :].copy_(res)
@@ -333,17 +332,6 @@ class KVPlanCache(Cache):
                 for h in block.heads:
                     out[h].extend([block.bits] * seg.length)
         return out
-
-
-def _decode_block_into(block: PackedBlock, out: torch.Tensor) -> None:
-    """Write ``block`` dequantized into ``out [B, h, T, D]`` (a view into a read buffer)."""
-    if block.bits == FULL_PRECISION_BITS:
-        out.copy_(block.codes)
-    elif _use_triton(block.codes):
-        out.copy_(block.decode(out.dtype))
-    else:
-        reference.dequantize_into(out, block.codes, block.scale, block.zero, block.bits, block.group_size,
-                                  block.axis, block.head_dim, block.start_offset)
 
 
 def resolve_batch_labels(rows: Sequence[Sequence[str]], attention_mask=None) -> list[str]:

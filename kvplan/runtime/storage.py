@@ -14,6 +14,7 @@ import torch
 
 from ..kernels import FULL_PRECISION_BITS
 from ..kernels import dequantize as _dequantize
+from ..kernels import dequantize_into as _dequantize_into
 from ..kernels import quantize as _quantize
 
 
@@ -56,6 +57,13 @@ class PackedBlock:
             self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
             self.head_dim, self.start_offset, dtype,
         )
+
+    def decode_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Write the dequantized tokens into ``out [B, h, T, D]`` (a view into a read buffer)."""
+        if self.bits == FULL_PRECISION_BITS:
+            return out.copy_(self.codes)
+        return _dequantize_into(out, self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
+                                self.head_dim, self.start_offset)
 
     def append(self, other: "PackedBlock") -> None:
         """Extend this block in place with the next tokens of the same heads and settings.
