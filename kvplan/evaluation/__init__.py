@@ -10,6 +10,7 @@ import os
 import time
 from typing import Any
 
+from ..plans import BASELINES
 from .baselines import (PEER_BACKENDS, evaluate_peer, head_sensitivity, headguard_from_sensitivity, named_plan,
                         parse_peer, tensor_nbytes, top_heads)
 from .harness import (PreparedSample, ProtocolError, Sample, aggregate, bootstrap_ci, bootstrap_ratio,
@@ -130,7 +131,7 @@ def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_
             cprep = prepare_samples(m, cal, pad_id=pad_token_id(proc), progress=progress)
             sens = head_sensitivity(m, cprep, modality=bulk_mod, progress=progress)
             plan = headguard_from_sensitivity(m, sens["score"], modalities=mods, protected_modality=bulk_mod)
-        elif isinstance(plan, str) and plan.partition("-g")[0] in ("fp16", "int8", "int4", "int2", "k4v2"):
+        elif isinstance(plan, str) and plan.partition("-g")[0] in BASELINES:
             plan = named_plan(plan, m, modalities=mods)
         r = evaluate(m, plan, prepared, seed=seed, progress=progress)
     r["task"] = {"task": task, "split": split, "samples": len(ss), "seed": seed, "history_tokens": history_tokens,

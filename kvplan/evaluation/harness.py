@@ -340,21 +340,16 @@ def _metrics(prepared: PreparedSample, sc: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
-def _no_commit() -> None:
-    return None
-
-
 @torch.no_grad()
 def score_cache(model, prepared: PreparedSample, cache) -> dict[str, float]:
     """Run the evaluated rows of ``prepared`` against ``cache`` (history already written, batch 1)."""
     R = prepared.rows.shape[0]
     if R > 1:
         cache.batch_repeat_interleave(R)
-    for layer in cache.layers:
-        if hasattr(layer, "_commit"):
-            # The evaluated tokens reach attention at full precision either way (a KVPlanLayer returns
-            # what it reads *before* committing); skip quantizing them afterwards: nothing reads them again.
-            layer._commit = _no_commit
+    if hasattr(cache, "pause_commits"):
+        # The evaluated tokens reach attention at full precision either way (a KVPlanLayer returns
+        # what it reads *before* committing); skip quantizing them afterwards: nothing reads them again.
+        cache.pause_commits()
     logp = _forward_rows(model, cache, prepared.rows, prepared.position_ids)
     return _metrics(prepared, _scored(logp, prepared.sample, prepared.row_lengths))
 

@@ -188,6 +188,8 @@ class KVPlanLayer(CacheLayerMixin):
         return out
 
     def _commit(self) -> None:
+        if self.owner.commits_paused:
+            return
         q = self.owner.plan.quantizer
         total = self.get_seq_length()
         target = committed_length(total, q.residual_length, q.group_size)
@@ -254,8 +256,16 @@ class KVPlanCache(Cache):
         self.geometry = geometry
         # set when the model runs kvplan's fused attention (see runtime/fused.py)
         self.attention_kernel = attention_kernel
+        self.commits_paused = False
         self._labels: list[str] = []
         super().__init__(layers=[KVPlanLayer(self, i) for i in range(geometry.num_layers)])
+
+    def pause_commits(self) -> None:
+        """Stop quantizing further tokens: new tokens stay in the full-precision residual.
+
+        For scoring: evaluated tokens must never be quantized, and nothing reads them again.
+        """
+        self.commits_paused = True
 
     # ------------------------------------------------------------------ modality labels
     def assign_labels(self, labels: Sequence[str] | Sequence[Sequence[str]], attention_mask=None) -> None:
