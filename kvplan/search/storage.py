@@ -74,12 +74,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# A live worker records its owner attributes right after ``ask``; a RUNNING trial still
+# without them after this long was asked by a process killed in between.
+UNOWNED_GRACE_S = 2.0
+
+
 def fail_orphaned_trials(study: optuna.Study) -> int:
-    """Mark FAIL the RUNNING trials whose owning process (on this host) is gone; returns how many."""
+    """Mark FAIL the RUNNING trials whose owning process (on this host) is gone, and those
+    killed before they recorded an owner; returns how many."""
+    import datetime
+
     n = 0
+    now = datetime.datetime.now()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         host, pid = t.user_attrs.get("kvplan.host"), t.user_attrs.get("kvplan.pid")
-        if host == HOST and isinstance(pid, int) and pid != os.getpid() and not _alive(pid):
+        unowned = host is None and t.datetime_start is not None and (
+            (now - t.datetime_start).total_seconds() > UNOWNED_GRACE_S)
+        dead = host == HOST and isinstance(pid, int) and pid != os.getpid() and not _alive(pid)
+        if unowned or dead:
             try:
                 study.tell(t.number, state=TrialState.FAIL)
                 n += 1
