@@ -32,7 +32,9 @@ RSS (``VmHWM``) and the peak above the RSS just before the prefill. On CUDA the 
 ``torch.cuda.max_memory_allocated`` in the main process instead.
 
 Also checked: kvplan's measured ``cache.bpv()`` against its plan's prediction
-``plan.bpv(context_len=T, modality_mix=["text"]*T, full_precision_bits=<model dtype bits>)``.
+``plan.bpv(context_len=T, modality_mix=<history labels>, full_precision_bits=<model dtype bits>)``,
+where the history is labelled by the plan's reference layout scaled to T (all ``text`` for
+single-modality plans; a plan searched on the default task gets its text header + ``doc`` bulk).
 
 Writes ``bench/results/runtime-<device>.md`` and ``.json``. Cells that were not run are
 listed with the reason; no number is estimated.
@@ -347,6 +349,16 @@ def fill_states(model, ids: torch.Tensor):
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
+def history_labels(plan, T: int) -> list[str]:
+    """Modality labels of a T-token history: the plan's reference layout scaled to T (a plan
+    searched on the default task stores its bulk ``doc`` history at doc bits), or all text."""
+    from kvplan.plans import layout_labels
+
+    if len(plan.modalities) == 1:
+        return [plan.modalities[0]] * T
+    return layout_labels(T, plan.reference.modality_mix)
+
+
 def fill(cache, states, batch: int, dtype):
     for i, (k, v) in enumerate(states):
         if batch > 1:
@@ -358,15 +370,19 @@ def fill(cache, states, batch: int, dtype):
 def run_decode(args, names, models, states, T, B, plans) -> dict:
     device = args.device
     caches, bytes_seen, rows, times = {}, {}, {}, {n: [] for n in names}
+    labels = {name: history_labels(plan, T) for name, plan in plans.items()}
     for name in names:
         model = models[name]
-        caches[name] = fill(make_cache(name, model, plans.get(name)), states, B, model.dtype)
+        cache = make_cache(name, model, plans.get(name))
+        if name in plans:
+            cache.assign_labels(labels[name])
+        caches[name] = fill(cache, states, B, model.dtype)
         bytes_seen[name] = [(T, cache_bytes(caches[name]))]
         rows[name] = {}
         if name in plans:  # target (a): measured bpv right after filling vs the plan's prediction
             fp_bits = 32 if model.dtype == torch.float32 else 16
             rows[name]["bpv_check"] = {"T": T, "measured": caches[name].bpv(),
-                                       "predicted": plans[name].bpv(context_len=T, modality_mix=["text"] * T,
+                                       "predicted": plans[name].bpv(context_len=T, modality_mix=labels[name],
                                                                     full_precision_bits=fp_bits).total}
     tok = torch.full((B, 1), 504, dtype=torch.long, device=device)
     # warm-up: one step each, not timed
@@ -397,8 +413,10 @@ def run_decode(args, names, models, states, T, B, plans) -> dict:
                **rows[name]}
         if name in plans:
             fp_bits = 32 if models[name].dtype == torch.float32 else 16
+            generated = ["text"] * (t_end - T)  # decoded tokens are text
             row["bpv_check_end"] = {"T": t_end, "measured": caches[name].bpv(),
-                                    "predicted": plans[name].bpv(context_len=t_end, modality_mix=["text"] * t_end,
+                                    "predicted": plans[name].bpv(context_len=t_end,
+                                                                 modality_mix=labels[name] + generated,
                                                                  full_precision_bits=fp_bits).total}
         out[f"{name}|{T}|{B}"] = row
     del caches

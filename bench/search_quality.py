@@ -1,16 +1,29 @@
-"""Quality bar of kvplan search on the embedded SmolLM2-135M (2-core CPU).
+"""Quality bar of ``kvplan search`` on the embedded SmolLM2-135M, on the held-out split.
 
-Compares, at one honest-bpv budget, on the held-out split of the built-in task:
-  - the searched plan (granularity slot, profile + knapsack seed + RF surrogate),
-  - uniform KIVI int2 at every group size / residual that fits,
-  - a KVTuner-style layer-wise search (granularity kvtuner, plain TPE, no profile, no seeds) with the
-    same number of real evaluations as the searched plan (its profile evaluations included),
-  - HeadGuard-style: 2-bit everywhere, the KV heads of the most key-sensitive layers (from the same
-    profile) protected with 4-bit keys, as many as the budget allows;
-and (``--curve``) the best-KL-vs-real-evaluations curve with and without the surrogate over 3 seeds.
+Takes a plan written by ``kvplan search --budget B --out plan.yaml`` (its ``plan.search.json``
+beside it holds the sensitivity profile and the trial count) and scores, with the same
+held-out scorer the search used for its final measurement (built-in task, same data seed,
+sample counts and history length):
 
-    python bench/search_quality.py --budget 2.5 --n-trials 60 --n-cal 4 --n-held 8 --history 256 \
-        --out bench/results/search_quality.json
+- the searched plan;
+- uniform KIVI-style int2 at every group size / residual length that fits the budget, and
+  the cheapest uniform int2 above it;
+- HeadGuard-style: int2 everywhere, the Keys of the most sensitive physical KV heads (ranked
+  by the profile's per-head measurements) at 3 or 4 bits, as many heads as the budget allows
+  (best variant on held-out, which favours the baseline);
+- a KVTuner-style search: one (K bits, V bits) pair per layer from KVTuner's candidates,
+  plain TPE, no profile, no seeds, no surrogate, given as many real evaluations as the
+  searched plan used (its profile evaluations included), chosen on calibration.
+
+``--curve``: does the surrogate earn its place? Best calibration KL against real
+evaluations with and without the surrogate, search seeds 0, 1, 2, same data, same
+profile (the one in the sidecar, so both arms start from the same seeds).
+
+    kvplan search --budget 2.5bpv --out bench/results/search-2.5bpv.yaml
+    python bench/search_quality.py bench/results/search-2.5bpv.yaml --part quality
+    python bench/search_quality.py bench/results/search-2.5bpv.yaml --part curve
+
+Writes ``bench/results/search_quality.json`` (merged across parts) and prints a summary.
 """
 
 from __future__ import annotations
@@ -25,93 +38,133 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvplan.plans import headguard_plan, uniform_plan  # noqa: E402
-from kvplan.search import BpvModel, SearchSpace, search, slot_sensitivity  # noqa: E402
+from kvplan import Plan  # noqa: E402
+from kvplan.plans import atomic_write_text, headguard_plan, uniform_plan  # noqa: E402
+from kvplan.search import search  # noqa: E402
+from kvplan.search._search import sidecar_paths  # noqa: E402
 from kvplan.search.scorers import harness_scorers  # noqa: E402
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--budget", type=float, default=2.5)
-    ap.add_argument("--n-trials", type=int, default=60)
-    ap.add_argument("--n-cal", type=int, default=4)
-    ap.add_argument("--n-held", type=int, default=8)
-    ap.add_argument("--history", type=int, default=256)
-    ap.add_argument("--eval-tokens", type=int, default=16)
-    ap.add_argument("--curve", action="store_true")
-    ap.add_argument("--curve-trials", type=int, default=40)
-    ap.add_argument("--out", default="bench/results/search_quality.json")
-    a = ap.parse_args()
-    t0 = time.time()
-    cal, held = harness_scorers(seed=0, n_calibration=a.n_cal, n_heldout=a.n_held, history_tokens=a.history,
-                                eval_tokens=a.eval_tokens, progress=False)
-    res = {"args": vars(a), "setup_s": time.time() - t0, "reference": {
-        "context_len": cal.reference.context_len, "modality_mix": dict(cal.reference.modality_mix)}}
-    print("setup", res["setup_s"], flush=True)
+def _row(plan: Plan, metrics: dict, **extra) -> dict:
+    return {"bpv": plan.bpv().total, "kl": metrics["kl"], "kl_ci95": [metrics.get("kl_ci95_lo"),
+                                                                     metrics.get("kl_ci95_hi")],
+            "top1": metrics.get("top1"), **extra}
 
-    t = time.time()
-    r = search(budget=a.budget, n_trials=a.n_trials, seed=0, scorer=cal, heldout_scorer=held,
-               out="bench/results/search_plan.yaml", progress=False)
-    res["searched"] = {"heldout": r.plan.metrics["heldout"], "calibration": r.plan.metrics["calibration"],
-                       "bpv": r.plan.bpv().total, "n_real": r.n_real_evals, "n_profile": r.n_profile_evals,
-                       "seconds": time.time() - t, "curve": r.curve}
-    print("searched", res["searched"]["heldout"]["kl"], res["searched"]["bpv"], res["searched"]["seconds"], flush=True)
 
-    g, mods, ref = cal.geometry, cal.modalities, cal.reference
-    base = {}
+def headguard_rows(held, profile: dict, budget: float) -> dict:
+    """Best HeadGuard-style plan per protected bit width (keys of the most sensitive heads)."""
+    g, mods, ref = held.geometry, held.modalities, held.reference
+    heads = sorted(((v, n) for n, v in profile.items() if n.count(".") == 2 and ".k.h" in n), reverse=True)
+    order = [(int(n[1:3]), int(n.rsplit("h", 1)[1])) for _, n in heads]  # "L20.k.h2" -> (20, 2)
+    out = {}
+    for bits in (3, 4):
+        for gs in (64, 128):
+            protected = []
+            for lh in order:
+                p = headguard_plan(g, protected + [lh], protected_key_bits=bits, group_size=gs, residual_length=0,
+                                   modalities=mods, reference=ref)
+                if p.bpv().total > budget + 1e-9:
+                    break
+                protected.append(lh)
+            if not protected:
+                continue
+            p = headguard_plan(g, protected, protected_key_bits=bits, group_size=gs, residual_length=0,
+                               modalities=mods, reference=ref)
+            row = _row(p, held(p), group_size=gs, protected_key_bits=bits, protected_heads=protected)
+            key = f"headguard-k{bits}"
+            if key not in out or row["kl"] < out[key]["kl"]:
+                out[key] = row
+    return out
+
+
+def quality(plan: Plan, side: dict, cal, held, budget: float) -> dict:
+    res = {"searched": _row(plan, held(plan), n_real=None)}
+    n_profile = len(side.get("profile") or {})
+    n_real = int(plan.metrics.get("search", {}).get("n_trials", 0))
+    res["searched"].update(n_real=n_real, n_profile=n_profile)
+    g, mods, ref = held.geometry, held.modalities, held.reference
+    uni, above = {}, []
     for gs in (32, 64, 128):
         for rl in (0, 32, 128):
             p = uniform_plan(g, 2, 2, group_size=gs, residual_length=rl, modalities=mods, reference=ref)
-            if p.bpv().total <= a.budget + 1e-9:
-                m = held(p)
-                base[f"int2-g{gs}-r{rl}"] = {"kl": m["kl"], "bpv": p.bpv().total, "heldout": m}
-    # HeadGuard-style: protect keys (4-bit) of the heads in the most key-sensitive layers while the budget allows
-    sens = slot_sensitivity(SearchSpace(g, mods), r.profile).reshape(g.num_layers, g.num_kv_heads, 2, len(mods))
-    order = np.argsort(-sens[:, :, 0].sum(-1).ravel(), kind="stable")
-    best_hg = None
-    for gs in (64, 128):
-        protected = []
-        for idx in order:
-            cand = protected + [divmod(int(idx), g.num_kv_heads)]
-            p = headguard_plan(g, cand, protected_key_bits=4, group_size=gs, residual_length=0, modalities=mods,
-                               reference=ref)
-            if p.bpv().total > a.budget + 1e-9:
-                break
-            protected = cand
-        if protected:
-            p = headguard_plan(g, protected, protected_key_bits=4, group_size=gs, residual_length=0,
-                               modalities=mods, reference=ref)
-            m = held(p)
-            if best_hg is None or m["kl"] < best_hg["kl"]:
-                best_hg = {"kl": m["kl"], "bpv": p.bpv().total, "group_size": gs, "n_protected": len(protected),
-                           "heldout": m}
-    if best_hg:
-        base["headguard-k4"] = best_hg
+            b = p.bpv().total
+            if b <= budget + 1e-9:
+                uni[f"int2-g{gs}-r{rl}"] = _row(p, held(p))
+            else:
+                above.append((b, gs, rl, p))
+    if above:
+        b, gs, rl, p = min(above, key=lambda x: x[0])
+        uni[f"int2-g{gs}-r{rl} (above budget)"] = _row(p, held(p))
+    res["uniform"] = uni
+    res["headguard"] = headguard_rows(held, side.get("profile") or {}, budget)
     t = time.time()
-    kvt = search(budget=a.budget, granularity="kvtuner", n_trials=r.n_real_evals + r.n_profile_evals, seed=0,
-                 scorer=cal, heldout_scorer=held, out=None, profile=False, baselines=False, surrogate=False,
-                 progress=False)
-    base["kvtuner-search"] = {"kl": kvt.plan.metrics["heldout"]["kl"], "bpv": kvt.plan.bpv().total,
-                              "n_real": kvt.n_real_evals, "seconds": time.time() - t,
-                              "heldout": kvt.plan.metrics["heldout"]}
-    res["baselines"] = base
-    best_base = min(v["kl"] for v in base.values())
-    res["ratio_vs_best_baseline"] = res["searched"]["heldout"]["kl"] / best_base
-    print("baselines", {k: (v["kl"], v["bpv"]) for k, v in base.items()}, "ratio", res["ratio_vs_best_baseline"],
-          flush=True)
-    if a.curve:
-        curves = {}
-        for sur in (True, False):
-            for seed in (0, 1, 2):
-                rr = search(budget=a.budget, n_trials=a.curve_trials, seed=seed, scorer=cal, out=None,
-                            surrogate=sur, progress=False)
-                curves[f"surrogate={sur},seed={seed}"] = [c[1] for c in rr.curve]
-                print("curve", sur, seed, rr.curve[-1], flush=True)
-        res["curves"] = curves
-    res["total_s"] = time.time() - t0
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1, default=float)
+    kvt = search(budget=budget, granularity="kvtuner", n_trials=n_real + n_profile, seed=0, scorer=cal,
+                 heldout_scorer=held, out=None, profile=False, baselines=False, surrogate=False,
+                 sink_lengths=(0,), progress=False)
+    res["kvtuner"] = {"kvtuner-search": _row(kvt.plan, kvt.plan.metrics["heldout"], n_real=kvt.n_real_evals,
+                                             seconds=time.time() - t,
+                                             calibration_kl=kvt.plan.metrics["calibration"]["kl"])}
+    kl = res["searched"]["kl"]
+    ratios = {}
+    for fam in ("uniform", "headguard", "kvtuner"):
+        for name, row in res[fam].items():
+            ratios[name] = kl / row["kl"]
+    res["ratios"] = ratios
+    return res
+
+
+def curve(side: dict, cal, budget: float, n_trials: int) -> dict:
+    curves, finals = {}, {}
+    for sur in (True, False):
+        for seed in (0, 1, 2):
+            t = time.time()
+            r = search(budget=budget, n_trials=n_trials, seed=seed, scorer=cal, out=None, surrogate=sur,
+                       profile=side["profile"], progress=False)
+            curves[f"surrogate={sur},seed={seed}"] = [c[1] for c in r.curve]
+            print(f"curve surrogate={sur} seed={seed}: best KL {r.curve[-1][1]:.4f} ({time.time() - t:.0f} s)",
+                  flush=True)
+    for seed in (0, 1, 2):
+        on = np.array(curves[f"surrogate=True,seed={seed}"])
+        off = np.array(curves[f"surrogate=False,seed={seed}"])
+        target = off[-1]
+        hit = np.nonzero(on <= target + 1e-12)[0]
+        finals[f"seed{seed}"] = {"without": float(off[-1]), "with": float(on[-1]),
+                                 "evals_with_surrogate_to_reach_final_without": int(hit[0]) + 1 if hit.size else None,
+                                 "evals_without": len(off)}
+    return {"n_trials": n_trials, "curves": curves, "summary": finals}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plan")
+    ap.add_argument("--part", choices=["quality", "curve", "all"], default="all")
+    ap.add_argument("--curve-trials", type=int, default=None, help="default: the plan's own trial count")
+    ap.add_argument("--out", default="bench/results/search_quality.json")
+    a = ap.parse_args()
+    t0 = time.time()
+    plan = Plan.from_yaml(a.plan)
+    with open(sidecar_paths(a.plan)["search"]) as f:
+        side = json.load(f)
+    budget = plan.target_bpv
+    s = plan.metrics.get("search", {})
+    cal, held = harness_scorers(seed=int(s.get("seed", 0)), progress=False)
+    res = {}
+    if os.path.exists(a.out):
+        with open(a.out) as f:
+            res = json.load(f)
+    res.update(plan=a.plan, budget=budget, command=" ".join(["python"] + sys.argv))
+    if a.part in ("quality", "all"):
+        res["quality"] = quality(plan, side, cal, held, budget)
+        for fam in ("uniform", "headguard", "kvtuner"):
+            for name, row in res["quality"][fam].items():
+                print(f"{name:32s} {row['bpv']:.3f} bpv  KL {row['kl']:.4f}  ratio searched/this "
+                      f"{res['quality']['ratios'][name]:.3f}", flush=True)
+        print(f"searched {res['quality']['searched']['bpv']:.3f} bpv KL {res['quality']['searched']['kl']:.4f}")
+    if a.part in ("curve", "all"):
+        res["curve"] = curve(side, cal, budget, a.curve_trials or int(s.get("n_trials", 60)))
+        print(json.dumps(res["curve"]["summary"], indent=1))
+    res.setdefault("seconds", {})[a.part] = time.time() - t0
+    atomic_write_text(a.out, json.dumps(res, indent=1, default=float))
 
 
 if __name__ == "__main__":

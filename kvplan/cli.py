@@ -56,10 +56,15 @@ def _cmd_search(args) -> int:
                                       n_heldout=args.heldout_samples, history_tokens=args.history_tokens,
                                       eval_tokens=args.eval_tokens, progress=not args.quiet,
                                       before_prefill=check_budgets)
+    extra = {}
+    if args.sink_lengths is not None:
+        extra["sink_lengths"] = tuple(args.sink_lengths)
+    if args.head_profile is not None:
+        extra["profile_head_units"] = args.head_profile
     result = search(model=args.model, budget=budgets, granularity=args.granularity, n_trials=args.trials,
                     seed=args.seed, storage=args.storage, study_name=args.study_name, out=args.out,
                     scorer=scorer, heldout_scorer=heldout, pareto=args.pareto, surrogate=not args.no_surrogate,
-                    worker=args.worker, progress=not args.quiet)
+                    worker=args.worker, progress=not args.quiet, **extra)
     for budget, plan in sorted(result.plans.items()):
         bpv = plan.bpv()
         held = plan.metrics.get("heldout") or {}
@@ -133,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--worker", type=int, help="worker index when several processes share a study")
     s.add_argument("--pareto", action="store_true", help="multi-objective search (KL vs bpv)")
     s.add_argument("--no-surrogate", action="store_true", help="score every candidate for real (ablation)")
+    s.add_argument("--sink-lengths", type=int, nargs="+", default=None, metavar="N",
+                   help="choices for the number of first (attention-sink) tokens kept at full precision "
+                        "(default: 0 1 4)")
+    s.add_argument("--head-profile", type=int, default=None, metavar="UNITS",
+                   help="profile the KV heads of this many most damaging (layer, K/V) units one by one "
+                        "(slot granularity; default 12, 0 = off)")
     s.add_argument("--out", default="plan.yaml", help="plan file to write (atomically); history saved beside it")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=_cmd_search)

@@ -73,7 +73,8 @@ def report(plan_path, importance: bool = True, seed: int = 0) -> dict[str, Any]:
                     "head_dim": g.head_dim, "fingerprint": g.fingerprint}
     rep["quantizer"] = {"group_size": plan.quantizer.group_size, "key_axis": plan.quantizer.key_axis,
                         "value_axis": plan.quantizer.value_axis,
-                        "residual_length": plan.quantizer.residual_length}
+                        "residual_length": plan.quantizer.residual_length,
+                        "sink_length": plan.quantizer.sink_length}
     rep["budget"] = {"target_bpv": plan.target_bpv, "reference": {"context_len": ref.context_len,
                                                                    "modality_mix": dict(ref.modality_mix)},
                      "bpv": bpv.as_dict()}
@@ -128,7 +129,8 @@ def report(plan_path, importance: bool = True, seed: int = 0) -> dict[str, Any]:
     else:
         rows = hist["rows"]
         shape = table.shape
-        tables, kl, bpvs, q_fields, srcs = [], [], [], {"group_size": [], "residual_length": [], "key_axis": []}, []
+        tables, kl, bpvs, q_fields, srcs = [], [], [], {"group_size": [], "residual_length": [], "key_axis": [],
+                                                         "sink_length": []}, []
         for r in rows:
             bits = np.array([int(x) for x in r["bits"].split()], dtype=np.int64)
             if bits.size != table.size or _num(r["kl"]) is None:
@@ -138,7 +140,8 @@ def report(plan_path, importance: bool = True, seed: int = 0) -> dict[str, Any]:
             bpvs.append(_num(r["bpv"]))
             srcs.append(r.get("source", ""))
             for k in q_fields:
-                q_fields[k].append(r[k] if k == "key_axis" else int(r[k]))
+                # histories written before sink_length existed have no such column: 0
+                q_fields[k].append(r[k] if k == "key_axis" else int(r.get(k) or 0))
         rep["history"].update(n_trials=len(tables))
         pts = [(a, b) for a, b in zip(kl, bpvs) if b is not None]
         from .search._search import pareto_front
@@ -192,7 +195,8 @@ def render_text(rep: dict) -> str:
              f"{m['head_dim']}  [{m['fingerprint']}]")
     q = rep["quantizer"]
     L.append(f"quantizer: group {q['group_size']}, keys per {q['key_axis']}, values per {q['value_axis']}, "
-             f"residual {q['residual_length']} tokens at full precision")
+             f"residual {q['residual_length']} newest and {q.get('sink_length', 0)} first (attention-sink) tokens "
+             "at full precision")
     b = rep["budget"]
     mix = ", ".join(f"{k} {v:.1%}" for k, v in b["reference"]["modality_mix"].items())
     L.append("")

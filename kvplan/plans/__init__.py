@@ -10,7 +10,8 @@ from ._schema import (
     Reference,
     atomic_write_text,
 )
-from .accounting import BpvBreakdown, committed_length, label_runs, layout_labels, plan_bpv, plan_bytes
+from .accounting import (BpvBreakdown, committed_length, label_runs, layout_labels, plan_bpv, plan_bytes,
+                         stored_runs)
 from .baselines import BASELINES, KVTUNER_PAIRS, baseline_plan, headguard_plan, layerwise_plan, uniform_plan
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "committed_length",
     "headguard_plan",
     "label_runs",
+    "stored_runs",
     "layerwise_plan",
     "layout_labels",
     "plan_bpv",

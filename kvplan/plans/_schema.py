@@ -77,12 +77,14 @@ class QuantizerSettings:
     key_axis: str = "channel"  # KIVI: keys per channel, grouped along tokens
     value_axis: str = "token"
     residual_length: int = 128  # newest tokens kept in full precision
+    sink_length: int = 0  # first tokens of the sequence kept in full precision (attention sinks)
 
     def __post_init__(self):
         _choice(self.group_size, "quantizer.group_size", GROUP_SIZES)
         _choice(self.key_axis, "quantizer.key_axis", AXES)
         _choice(self.value_axis, "quantizer.value_axis", AXES)
         _int(self.residual_length, "quantizer.residual_length", 0)
+        _int(self.sink_length, "quantizer.sink_length", 0)
 
     def axis(self, kind: str) -> str:
         return self.key_axis if kind == "k" else self.value_axis
@@ -242,6 +244,7 @@ class Plan:
                 "key_axis": self.quantizer.key_axis,
                 "value_axis": self.quantizer.value_axis,
                 "residual_length": self.quantizer.residual_length,
+                "sink_length": self.quantizer.sink_length,
             },
             "bits": {"default": default, "rules": rules},
             "budget": {
@@ -475,7 +478,8 @@ def _plan_from_dict(d) -> Plan:
         _str(mod, f"modalities[{i}]")
 
     q = d.get("quantizer", {})
-    _check_keys(q, "quantizer", [], ["group_size", "key_axis", "value_axis", "residual_length"])
+    _check_keys(q, "quantizer", [], ["group_size", "key_axis", "value_axis", "residual_length",
+                                         "sink_length"])
     quantizer = QuantizerSettings(**q)
 
     b = d["bits"]

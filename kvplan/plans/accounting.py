@@ -8,6 +8,10 @@ after ``T`` tokens, the oldest ``C(T) = max(0, G * floor((T - R) / G))`` tokens 
 committed (quantized), where ``G`` is the plan's group size and ``R`` its residual
 length; the rest stay in the residual. ``C`` is independent of how the tokens arrived
 (one prefill or token by token). Committed tokens are stored in runs of one modality.
+
+Attention sinks: the first ``S = quantizer.sink_length`` positions of the sequence are
+stored at full precision in every slot when they are committed (:func:`stored_runs`
+splits a run at ``S``); they count as 16-bit payload, like a 16-bit slot.
 """
 
 from __future__ import annotations
@@ -60,6 +64,24 @@ def layout_labels(context_len: int, modality_mix) -> list[str]:
     return labels
 
 
+def stored_runs(labels: Sequence, committed_before: int, n: int, sink_length: int) -> list[tuple[object, int, int, bool]]:
+    """How the runtime stores tokens ``[committed_before, committed_before + n)`` when it commits them.
+
+    ``labels[i]`` is the label of absolute position ``committed_before + i``. Returns runs
+    ``(label, absolute start, length, is_sink)``: maximal runs of one label, split at the
+    sink boundary ``sink_length`` (positions before it are kept at full precision).
+    """
+    out = []
+    for lab, off, length in label_runs(labels, 0, n):
+        start = committed_before + off
+        cut = min(max(sink_length - start, 0), length)
+        if cut:
+            out.append((lab, start, cut, True))
+        if length > cut:
+            out.append((lab, start + cut, length - cut, False))
+    return out
+
+
 @dataclass(frozen=True)
 class BpvBreakdown:
     """Bits per cached value, split by what the bytes hold.
@@ -102,13 +124,13 @@ def plan_bytes(plan, geometry, labels: Sequence[str], batch_size: int = 1, fp_by
     if unknown:
         raise ValueError(f"labels {unknown} are not modalities of the plan {list(plan.modalities)}")
     payload = scales = 0
-    runs = label_runs(labels, 0, C)
+    runs = stored_runs(labels, 0, C, q.sink_length)
     for layer in range(geometry.num_layers):
         for head in range(geometry.num_kv_heads):
             for k, kind in enumerate(("k", "v")):
                 axis = q.axis(kind)
-                for lab, start, length in runs:
-                    bits = int(table[layer, head, k, plan.modalities.index(lab)])
+                for lab, start, length, sink in runs:
+                    bits = FULL_PRECISION_BITS if sink else int(table[layer, head, k, plan.modalities.index(lab)])
                     p, s = run_bytes(bits, axis, q.group_size, geometry.head_dim, start, length, fp_bytes)
                     payload += p
                     scales += s

@@ -31,7 +31,7 @@ KVTUNER_PAIRS: tuple[tuple[int, int], ...] = ((8, 8), (8, 4), (4, 4), (4, 2), (2
 
 def uniform_plan(geometry: Geometry, key_bits: int, value_bits: int | None = None, *, group_size: int = 32,
                  residual_length: int = 128, key_axis: str = "channel", value_axis: str = "token",
-                 modalities: Sequence[str] = (DEFAULT_MODALITY,), name: str | None = None, **plan_kwargs) -> Plan:
+                 sink_length: int = 0, modalities: Sequence[str] = (DEFAULT_MODALITY,), name: str | None = None, **plan_kwargs) -> Plan:
     """Every slot at the same bits (``value_bits`` defaults to ``key_bits``)."""
     value_bits = key_bits if value_bits is None else value_bits
     modalities = tuple(modalities)
@@ -39,7 +39,7 @@ def uniform_plan(geometry: Geometry, key_bits: int, value_bits: int | None = Non
     table[:, :, 0, :] = key_bits
     table[:, :, 1, :] = value_bits
     q = QuantizerSettings(group_size=group_size, key_axis=key_axis, value_axis=value_axis,
-                          residual_length=residual_length)
+                          residual_length=residual_length, sink_length=sink_length)
     plan_kwargs.setdefault("provenance", Provenance(produced_by="baseline"))
     return Plan.from_table(table, geometry, modalities, quantizer=q, name=name, **plan_kwargs)
 

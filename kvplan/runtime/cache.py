@@ -22,7 +22,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import CacheError, PlanError
 from ..models.geometry import Geometry
-from ..plans import KINDS, Plan, committed_length, label_runs
+from ..kernels import FULL_PRECISION_BITS
+from ..plans import KINDS, Plan, committed_length, label_runs, stored_runs
 from .fused import MAX_FUSED_QUERY, mark_pending
 from .storage import PackedBlock, Segment
 
@@ -196,17 +197,22 @@ class KVPlanLayer(CacheLayerMixin):
         n = target - self.committed
         if n <= 0:
             return
+        runs = stored_runs(self.residual_labels, self.committed, n, q.sink_length)
+        all_heads = tuple(range(self.owner.geometry.num_kv_heads))
         for kind in KINDS:
             chunk = self.residual[kind][:, :, :n]
-            for label, offset, length in label_runs(self.residual_labels, 0, n):
-                start = self.committed + offset
+            for label, start, length, sink in runs:
+                offset = start - self.committed
                 x = chunk[:, :, offset : offset + length]
+                # attention-sink positions: every head at full precision
+                groups = [(FULL_PRECISION_BITS, all_heads)] if sink else self.head_groups[kind][label]
                 blocks = []
-                for bits, heads in self.head_groups[kind][label]:
+                for bits, heads in groups:
                     xh = x if len(heads) == x.shape[1] else x[:, list(heads)]
                     blocks.append(PackedBlock.encode(xh, heads, bits, q.axis(kind), q.group_size, start))
                 segs = self.segments[kind]
-                if segs and segs[-1].modality == label and segs[-1].start + segs[-1].length == start:
+                if (segs and segs[-1].modality == label and segs[-1].start + segs[-1].length == start
+                        and [(b.bits, b.heads) for b in segs[-1].blocks] == [(b.bits, b.heads) for b in blocks]):
                     for old, new in zip(segs[-1].blocks, blocks):
                         old.append(new)
                     segs[-1].length += length

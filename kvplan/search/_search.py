@@ -70,8 +70,9 @@ from .budget import (
     parse_budget,
     repair,
 )
-from .sensitivity import run_profile, slot_sensitivity
-from .space import DEFAULT_BITS, DEFAULT_GROUP_SIZES, DEFAULT_KEY_AXES, DEFAULT_RESIDUAL_LENGTHS, SearchSpace
+from .sensitivity import DEFAULT_HEAD_UNITS, run_profile, slot_sensitivity
+from .space import (DEFAULT_BITS, DEFAULT_GROUP_SIZES, DEFAULT_KEY_AXES, DEFAULT_RESIDUAL_LENGTHS,
+                    DEFAULT_SINK_LENGTHS, SearchSpace)
 from .storage import fail_orphaned_trials, is_persistent, make_storage, owner_attrs
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -195,7 +196,7 @@ class _Searcher:
         return self.features.transform(
             tables, [q.group_size for _, q in items], [q.residual_length for _, q in items],
             [q.key_axis for _, q in items], [self.model.bpv(lv, q) for lv, q in items],
-            [self.prior(lv) for lv, _ in items])
+            [self.prior(lv) for lv, _ in items], sink_lengths=[q.sink_length for _, q in items])
 
     # ---------------------------------------------------------------- seeds
     def enqueue_seeds(self, include_baselines: bool) -> int:
@@ -430,7 +431,7 @@ def _trial_rows(space: SearchSpace, trials) -> list[dict]:
         row = {"number": t.number, "source": t.user_attrs.get("kvplan.source", ""), "kl": t.values[0],
                "bpv": t.user_attrs.get("kvplan.bpv"), "group_size": q.group_size, "key_axis": q.key_axis,
                "value_axis": q.value_axis, "residual_length": q.residual_length,
-               "pred_log_kl": t.user_attrs.get("kvplan.pred_log_kl", "")}
+               "sink_length": q.sink_length, "pred_log_kl": t.user_attrs.get("kvplan.pred_log_kl", "")}
         for k in ("nll", "accuracy", "kl_se"):
             row[k] = m.get(k, "")
         row["bits"] = " ".join(str(int(b)) for b in table.ravel())
@@ -442,7 +443,7 @@ def write_history(path, space: SearchSpace, trials) -> None:
     rows = _trial_rows(space, sorted(trials, key=lambda t: t.number))
     buf = io.StringIO()
     cols = ["number", "source", "kl", "bpv", "group_size", "key_axis", "value_axis", "residual_length",
-            "pred_log_kl", "nll", "accuracy", "kl_se", "bits"]
+            "sink_length", "pred_log_kl", "nll", "accuracy", "kl_se", "bits"]
     w = csv.DictWriter(buf, fieldnames=cols)
     w.writeheader()
     for r in rows:
@@ -473,7 +474,9 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            scorer: Scorer | None = None, heldout_scorer: Scorer | None = None, reference: Reference | None = None,
            bits: Sequence[int] = DEFAULT_BITS, group_sizes: Sequence[int] = DEFAULT_GROUP_SIZES,
            residual_lengths: Sequence[int] = DEFAULT_RESIDUAL_LENGTHS, key_axes: Sequence[str] = DEFAULT_KEY_AXES,
-           pareto: bool = False, profile: bool = True, baselines: bool = True, surrogate: bool = True,
+           sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS,
+           pareto: bool = False, profile: bool | Mapping[str, float] = True,
+           profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
            n_candidates: int = 16, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
            worker: int | None = None, progress: bool = True) -> SearchResult:
     """Search a mixed-precision KV-cache plan under an honest bpv budget.
@@ -484,6 +487,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     total real evaluations the study should hold (across workers and resumes; the
     sensitivity profile's evaluations come on top). ``storage``/``study_name``: share or
     resume a study (journal file path or RDB URL). ``out``: plan path (``None``: no files).
+    ``profile``: run the sensitivity profile (``True``), skip it (``False``), or use a profile
+    measured before on the same scorer (a name -> KL mapping, as in ``result.profile``).
+    ``profile_head_units``: how many of the most damaging (layer, K/V) units the profile also
+    measures head by head (slot granularity only; 0 turns the per-head stage off).
 
     Returns a :class:`SearchResult`; ``result.plan`` is the exported plan.
     """
@@ -504,7 +511,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     modalities = tuple(getattr(scorer, "modalities", None) or ("text",))
     if reference is None:
         reference = getattr(scorer, "reference", None) or Reference()
-    space = SearchSpace(geometry, modalities, granularity, bits, group_sizes, residual_lengths, key_axes)
+    space = SearchSpace(geometry, modalities, granularity, bits, group_sizes, residual_lengths, key_axes,
+                        sink_lengths=sink_lengths)
     bmodel = BpvModel(space, reference)
     for b in budgets:
         bmodel.check_budget(b)
@@ -536,7 +544,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
 
     prof = None
     n_profile_evals = 0
-    if profile:
+    if isinstance(profile, Mapping):
+        prof = {str(k): float(v) for k, v in profile.items()}
+        study.set_user_attr("kvplan.profile", prof)
+    elif profile:
         prof = study.user_attrs.get("kvplan.profile")
         if prof is None:
             bar = None
@@ -551,7 +562,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                     bar.update(done - bar.n)
 
             try:
-                prof = run_profile(scorer, space, reference, progress=tick)
+                prof = run_profile(scorer, space, reference, progress=tick, n_head_units=profile_head_units)
             finally:
                 if bar is not None:
                     bar.close()

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import KVPlanError
 from ..kernels.qtypes import FULL_PRECISION_BITS, SUPPORTED_BITS
-from ..plans import QuantizerSettings, Reference, committed_length, label_runs, layout_labels
+from ..plans import QuantizerSettings, Reference, committed_length, layout_labels, stored_runs
 from ..plans.accounting import run_bytes
 from .space import SearchSpace
 
@@ -84,7 +84,7 @@ class BpvModel:
 
     @staticmethod
     def _key(q: QuantizerSettings) -> tuple:
-        return (q.group_size, q.key_axis, q.value_axis, q.residual_length)
+        return (q.group_size, q.key_axis, q.value_axis, q.residual_length, q.sink_length)
 
     def slot_costs(self, q: QuantizerSettings) -> np.ndarray:
         """bpv contributed by each slot at each supported bit width: float ``[n_slots, len(SUPPORTED_BITS)]``."""
@@ -92,14 +92,14 @@ class BpvModel:
         fp_bytes = self.reference.full_precision_bits // 8
         T = len(self.labels)
         C = committed_length(T, q.residual_length, q.group_size)
-        runs = label_runs(self.labels, 0, C)
+        runs = stored_runs(self.labels, 0, C, q.sink_length)
         per = np.zeros((2, len(self.space.modalities), len(SUPPORTED_BITS)))
         for k, kind in enumerate(("k", "v")):
             for m, mod in enumerate(self.space.modalities):
                 for bi, bits in enumerate(SUPPORTED_BITS):
                     tot = 0
-                    for lab, start, length in runs:
-                        if lab == mod:
+                    for lab, start, length, sink in runs:
+                        if lab == mod and not sink:  # sink positions are a constant (see _build)
                             p, s = run_bytes(bits, q.axis(kind), q.group_size, g.head_dim, start, length, fp_bytes)
                             tot += p + s
                     per[k, m, bi] = 8.0 * tot / self.n_values
@@ -110,8 +110,9 @@ class BpvModel:
         g = self.space.geometry
         T = len(self.labels)
         C = committed_length(T, q.residual_length, q.group_size)
-        const = 8.0 * (T - C) * g.head_dim * (self.reference.full_precision_bits // 8) * g.num_kv_heads * 2 \
-            * g.num_layers / self.n_values
+        n_sink = min(q.sink_length, C)  # committed sink positions, stored at full precision in every slot
+        const = 8.0 * (T - C + n_sink) * g.head_dim * (self.reference.full_precision_bits // 8) \
+            * g.num_kv_heads * 2 * g.num_layers / self.n_values
         sc = self.slot_costs(q)
         bit_col = {b: i for i, b in enumerate(SUPPORTED_BITS)}
         groups = self.space.groups
@@ -181,8 +182,9 @@ def closest_feasible_quantizer(model: BpvModel, q: QuantizerSettings, budget: fl
     if not feas:
         model.check_budget(budget)
     def rank(c):
-        changed = sum(getattr(c, f) != getattr(q, f) for f in ("group_size", "key_axis", "residual_length"))
-        return (changed, -model.floor(c), c.group_size, c.residual_length)
+        changed = sum(getattr(c, f) != getattr(q, f) for f in ("group_size", "key_axis", "residual_length",
+                                                                "sink_length"))
+        return (changed, -model.floor(c), c.group_size, c.residual_length, c.sink_length)
     return min(feas, key=rank)
 
 

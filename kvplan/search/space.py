@@ -12,9 +12,9 @@ Granularities:
 - ``"kvtuner"``  one per layer choosing a (K bits, V bits) pair from KVTuner's candidates
   (:data:`kvplan.plans.KVTUNER_PAIRS`), ordered by cost.
 
-The plan-wide quantizer fields (group size, key axis, residual length) are searched as
-categorical parameters ``q.group_size`` / ``q.key_axis`` / ``q.residual_length`` when more
-than one choice is given, otherwise fixed.
+The plan-wide quantizer fields (group size, key axis, residual length, attention-sink
+length) are searched as categorical parameters ``q.group_size`` / ``q.key_axis`` /
+``q.residual_length`` / ``q.sink_length`` when more than one choice is given, otherwise fixed.
 """
 
 from __future__ import annotations
@@ -36,7 +36,12 @@ DEFAULT_BITS = (2, 3, 4, 8, 16)
 DEFAULT_GROUP_SIZES = GROUP_SIZES  # (32, 64, 128)
 DEFAULT_RESIDUAL_LENGTHS = (0, 32, 128)
 DEFAULT_KEY_AXES = ("channel",)
-Q_PARAMS = ("q.group_size", "q.key_axis", "q.residual_length")
+# first tokens kept at full precision: none, the attention sink (BOS / first token), a few
+DEFAULT_SINK_LENGTHS = (0, 1, 4)
+# searched parameter name -> QuantizerSettings field
+Q_FIELDS = {"q.group_size": "group_size", "q.key_axis": "key_axis", "q.residual_length": "residual_length",
+            "q.sink_length": "sink_length"}
+Q_PARAMS = tuple(Q_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ class SearchSpace:
                  bits: Sequence[int] = DEFAULT_BITS, group_sizes: Sequence[int] = DEFAULT_GROUP_SIZES,
                  residual_lengths: Sequence[int] = DEFAULT_RESIDUAL_LENGTHS,
                  key_axes: Sequence[str] = DEFAULT_KEY_AXES, value_axis: str = "token",
-                 pairs: Sequence[tuple[int, int]] = KVTUNER_PAIRS):
+                 sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS, pairs: Sequence[tuple[int, int]] = KVTUNER_PAIRS):
         if granularity not in GRANULARITIES:
             raise KVPlanError(f"granularity {granularity!r} is not one of {list(GRANULARITIES)}")
         bits = tuple(sorted(set(int(b) for b in bits)))
@@ -71,14 +76,16 @@ class SearchSpace:
                                                                                 ("channel", "token"))):
             if not vals or any(v not in allowed for v in vals):
                 raise KVPlanError(f"{name} {list(vals)} must be a non-empty subset of {list(allowed)}")
-        if not residual_lengths or any((not isinstance(r, int)) or r < 0 for r in residual_lengths):
-            raise KVPlanError(f"residual_lengths {list(residual_lengths)} must be non-negative integers")
+        for name, vals in (("residual_lengths", residual_lengths), ("sink_lengths", sink_lengths)):
+            if not vals or any((not isinstance(r, int)) or isinstance(r, bool) or r < 0 for r in vals):
+                raise KVPlanError(f"{name} {list(vals)} must be non-negative integers")
         self.geometry = geometry
         self.modalities = tuple(modalities)
         self.granularity = granularity
         self.bits = bits
         self.group_sizes = tuple(sorted(set(group_sizes)))
         self.residual_lengths = tuple(sorted(set(residual_lengths)))
+        self.sink_lengths = tuple(sorted(set(sink_lengths)))
         self.key_axes = tuple(dict.fromkeys(key_axes))
         self.value_axis = value_axis
         self.pairs = tuple(sorted({tuple(p) for p in pairs}, key=lambda p: (p[0] + p[1], p[0])))
@@ -117,12 +124,14 @@ class SearchSpace:
     @property
     def q_choices(self) -> dict[str, tuple]:
         return {"q.group_size": self.group_sizes, "q.key_axis": self.key_axes,
-                "q.residual_length": self.residual_lengths}
+                "q.residual_length": self.residual_lengths, "q.sink_length": self.sink_lengths}
 
     def quantizers(self) -> list[QuantizerSettings]:
         """Every plan-wide quantizer setting the space allows."""
-        return [QuantizerSettings(group_size=g, key_axis=a, value_axis=self.value_axis, residual_length=r)
-                for g, a, r in itertools.product(self.group_sizes, self.key_axes, self.residual_lengths)]
+        return [QuantizerSettings(group_size=g, key_axis=a, value_axis=self.value_axis, residual_length=r,
+                                  sink_length=s)
+                for g, a, r, s in itertools.product(self.group_sizes, self.key_axes, self.residual_lengths,
+                                                    self.sink_lengths)]
 
     def distributions(self) -> dict[str, BaseDistribution]:
         """Optuna distributions: ``IntDistribution`` levels per group, categorical quantizer fields."""
@@ -147,12 +156,9 @@ class SearchSpace:
         return np.array([int(params.get(g.name, 0)) for g in self.groups], dtype=np.int64)
 
     def quantizer_of(self, params: Mapping) -> QuantizerSettings:
-        return QuantizerSettings(
-            group_size=params.get("q.group_size", self.group_sizes[0]),
-            key_axis=params.get("q.key_axis", self.key_axes[0]),
-            value_axis=self.value_axis,
-            residual_length=params.get("q.residual_length", self.residual_lengths[0]),
-        )
+        choices = self.q_choices
+        fields = {f: params.get(name, choices[name][0]) for name, f in Q_FIELDS.items()}
+        return QuantizerSettings(value_axis=self.value_axis, **fields)
 
     def table_of_levels(self, levels: Sequence[int]) -> np.ndarray:
         flat = np.empty(int(np.prod(self.shape)), dtype=np.int64)
@@ -168,8 +174,7 @@ class SearchSpace:
         """Parameter dict for group levels and a quantizer (only searched names)."""
         dists = self.distributions()
         p = {g.name: int(lv) for g, lv in zip(self.groups, levels) if g.name in dists}
-        for name, field in (("q.group_size", "group_size"), ("q.key_axis", "key_axis"),
-                            ("q.residual_length", "residual_length")):
+        for name, field in Q_FIELDS.items():
             if name in dists:
                 p[name] = getattr(quantizer, field)
         return p
@@ -186,8 +191,8 @@ class SearchSpace:
         return out
 
     def contains_quantizer(self, q: QuantizerSettings) -> bool:
-        return (q.group_size in self.group_sizes and q.key_axis in self.key_axes
-                and q.residual_length in self.residual_lengths and q.value_axis == self.value_axis)
+        return (q.value_axis == self.value_axis
+                and all(getattr(q, f) in self.q_choices[name] for name, f in Q_FIELDS.items()))
 
     def plan_of(self, params: Mapping, reference: Reference, **kwargs) -> Plan:
         kwargs.setdefault("provenance", Provenance(produced_by="kvplan search"))
@@ -197,11 +202,13 @@ class SearchSpace:
     def describe(self) -> dict:
         """JSON-able description (written beside exported plans)."""
         return {"granularity": self.granularity, "bits": list(self.bits), "group_sizes": list(self.group_sizes),
-                "residual_lengths": list(self.residual_lengths), "key_axes": list(self.key_axes),
+                "residual_lengths": list(self.residual_lengths), "sink_lengths": list(self.sink_lengths),
+                "key_axes": list(self.key_axes),
                 "value_axis": self.value_axis, "modalities": list(self.modalities), "shape": list(self.shape),
                 "n_params": len(self.distributions()), "pairs": [list(p) for p in self.pairs]}
 
     def __repr__(self) -> str:
         return (f"SearchSpace(granularity={self.granularity!r}, groups={len(self.groups)}, bits={self.bits}, "
                 f"group_sizes={self.group_sizes}, residual_lengths={self.residual_lengths}, "
+                f"sink_lengths={self.sink_lengths}, "
                 f"key_axes={self.key_axes})")

@@ -24,11 +24,11 @@ def _fill(cache, labels, dtype, chunks, batch=2, seed=0):
         written += n
 
 
-def _random_plan(seed, modalities):
+def _random_plan(seed, modalities, sink_length=0):
     rng = np.random.default_rng(seed)
     plan = uniform_plan(GEOM, 4, modalities=modalities, group_size=int(rng.choice([32, 64, 128])),
                         residual_length=int(rng.choice([0, 16, 128])),
-                        key_axis=str(rng.choice(["channel", "token"])))
+                        key_axis=str(rng.choice(["channel", "token"])), sink_length=sink_length)
     return plan.with_table(rng.choice([2, 3, 4, 8, 16], size=plan.table().shape))
 
 
@@ -41,6 +41,10 @@ PLANS = {
     "random0": lambda: _random_plan(0, ("text", "visual")),
     "random1": lambda: _random_plan(1, ("text", "visual", "doc")),
     "random2": lambda: _random_plan(2, ("text",)),
+    # attention sinks: inside the first key group, across a group boundary, longer than a modality run
+    "int2-sink1": lambda: baseline_plan("int2", GEOM, residual_length=0, sink_length=1),
+    "random3-sink37": lambda: _random_plan(3, ("text", "visual"), sink_length=37),
+    "random4-sink150": lambda: _random_plan(4, ("text", "doc"), sink_length=150),
 }
 MIXES = {
     "text": [("text", 1.0)],
@@ -100,3 +104,25 @@ def test_reference_layout_in_plan():
     plan = headguard_plan(GEOM, [(0, 0)], modalities=("text", "visual"),
                           reference=Reference(1000, {"text": 0.1, "visual": 0.9}))
     assert plan.bpv() == plan.bpv(context_len=1000, modality_mix={"text": 0.1, "visual": 0.9})
+
+
+def test_sink_bpv_independent_of_arrival_pattern():
+    plan = _random_plan(5, ("text", "visual"), sink_length=37)
+    labels = layout_labels(300, [("text", 0.1), ("visual", 0.9)])
+    sizes = []
+    for chunks in ([300], [1] * 300, [7, 64, 5, 100]):
+        cache = KVPlanCache(plan)
+        _fill(cache, labels, torch.float16, chunks=chunks, batch=1)
+        sizes.append(cache.nbytes_breakdown())
+    assert sizes[0] == sizes[1] == sizes[2]
+
+
+def test_sink_tokens_cost_full_precision():
+    """One sink token at 512 tokens costs exactly its 16-bit storage minus its int2 storage."""
+    base = baseline_plan("int2-g128", GEOM, residual_length=0)
+    sink = baseline_plan("int2-g128", GEOM, residual_length=0, sink_length=1)
+    b0 = base.bpv(context_len=512, modality_mix={"text": 1.0}).total
+    b1 = sink.bpv(context_len=512, modality_mix={"text": 1.0}).total
+    # keys per channel: the first key group still needs its scales; values per token lose one token's scales
+    per_token = 2 * 64 * 2 - (2 * 64 * 2 // 8 + 4)  # 16-bit K and V instead of 2-bit K and V codes + V scale/zero
+    assert (b1 - b0) * 2 * 512 * 64 / 8 == pytest.approx(per_token, rel=1e-12)

@@ -17,6 +17,7 @@ GEOM = Geometry(30, 3, 64, ("full",) * 30, "llama")
 def _plans():
     yield baseline_plan("fp16", GEOM)
     yield baseline_plan("int2-g128", GEOM)
+    yield baseline_plan("int2-g128", GEOM, residual_length=0, sink_length=4)
     yield baseline_plan("k4v2", GEOM, modalities=("text", "visual"))
     yield layerwise_plan(GEOM, [KVTUNER_PAIRS[i % 5] for i in range(30)])
     yield headguard_plan(GEOM, [(0, 1), (7, 2)], modalities=("text", "visual"), protected_modality="visual",
@@ -38,6 +39,12 @@ def test_round_trip_exact(plan, tmp_path):
     flat = Plan.from_yaml(plan.to_yaml(flat=True))
     assert np.array_equal(flat.table(), plan.table())
     assert len(flat.rules) == plan.table().size
+
+
+def test_plan_without_sink_length_loads_with_none():
+    text = baseline_plan("int2", GEOM).to_yaml().replace("  sink_length: 0\n", "")
+    assert "sink_length" not in text
+    assert Plan.from_yaml(text).quantizer.sink_length == 0
 
 
 def test_compact_yaml_is_short_for_structured_plan():
@@ -108,6 +115,8 @@ MALFORMED = [
     ("group size 48", _set(["quantizer", "group_size"], 48), "quantizer.group_size"),
     ("bad axis", _set(["quantizer", "key_axis"], "head"), "quantizer.key_axis"),
     ("negative residual", _set(["quantizer", "residual_length"], -1), "quantizer.residual_length"),
+    ("negative sink", _set(["quantizer", "sink_length"], -4), "quantizer.sink_length"),
+    ("sink not an integer", _set(["quantizer", "sink_length"], "4"), "quantizer.sink_length"),
     ("unknown quantizer key", _set(["quantizer", "bits"], 4), "quantizer.bits"),
     ("modalities without text", _set(["modalities"], ["visual"]), "modalities"),
     ("modalities duplicate", _set(["modalities"], ["text", "text"]), "modalities"),
@@ -161,7 +170,7 @@ _values = st.recursive(_scalars, lambda c: st.one_of(st.lists(c, max_size=3),
                        max_leaves=6)
 _PATHS = [["schema_version"], ["model", "num_layers"], ["model", "head_dim"], ["model", "layer_types"],
           ["modalities"], ["quantizer", "group_size"], ["quantizer", "key_axis"], ["quantizer", "residual_length"],
-          ["bits", "default"], ["bits", "rules"], ["budget", "target_bpv"], ["budget", "reference"],
+          ["quantizer", "sink_length"], ["bits", "default"], ["bits", "rules"], ["budget", "target_bpv"], ["budget", "reference"],
           ["provenance", "seed"], ["metrics"]]
 
 

@@ -53,6 +53,28 @@ def test_committed_tokens_returned_full_precision_on_first_use_then_quantized():
     assert (k2[:, :, :64] - k).abs().max() < 2.0
 
 
+def test_sink_tokens_kept_exactly_and_rest_quantized():
+    """The first sink_length positions are stored at full precision in every head, K and V,
+    across commits and arrival patterns; the others are quantized at the plan's bits."""
+    plan = baseline_plan("int2", GEOM, residual_length=0, sink_length=5)  # group 32
+    k, v = _states(70, 7)
+    for chunks in ([70], [3, 1, 1, 30, 35]):
+        cache = KVPlanCache(plan)
+        layer = cache.layers[1]
+        at = 0
+        for n in chunks:
+            layer.update(k[:, :, at : at + n], v[:, :, at : at + n])
+            at += n
+        assert layer.committed == 64
+        rk, rv = layer._read("k"), layer._read("v")
+        assert torch.equal(rk[:, :, :5], k[:, :, :5]) and torch.equal(rv[:, :, :5], v[:, :, :5])
+        assert not torch.equal(rk[:, :, 5:64], k[:, :, 5:64])
+        assert (rk[:, :, 5:64] - k[:, :, 5:64]).abs().max() < 2.5
+        bits = layer.stored_token_bits()
+        assert bits[("k", "text", 16)] == 5 * 2 and bits[("k", "text", 2)] == 59 * 2
+        assert bits[("v", "text", 16)] == 5 * 2 and bits[("v", "text", 2)] == 59 * 2
+
+
 def test_nan_and_inf_raise():
     cache = KVPlanCache(baseline_plan("int4", GEOM))
     k, v = _states(4, 0)

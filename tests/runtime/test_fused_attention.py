@@ -1,5 +1,6 @@
 """kvplan.load with the fused Triton decode attention (CPU: Triton interpreter)."""
 
+import dataclasses
 import os
 
 import pytest
@@ -23,12 +24,14 @@ def _mixed_plan(geometry):
     return plan.with_table(table)
 
 
-def test_fused_attention_matches_dequantize_path():
+@pytest.mark.parametrize("sink_length", [0, 3])
+def test_fused_attention_matches_dequantize_path(sink_length):
     model = tiny_llama()
     ids = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9] * 6, [10, 11, 12, 13, 14, 15, 16, 17] * 6])
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     plan = _mixed_plan(Geometry.of(model))
+    plan = plan.replace(quantizer=dataclasses.replace(plan.quantizer, sink_length=sink_length))
     kvplan.load(model, plan, attention="dequantize")
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
                          output_scores=True, return_dict_in_generate=True)

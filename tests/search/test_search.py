@@ -86,6 +86,24 @@ def test_same_seed_same_plan(run, tmp_path):
     assert r2.curve == r.curve
 
 
+def test_given_profile_is_reused_and_gives_the_same_plan(run):
+    """A profile measured before (result.profile) replaces the profile stage: no profile
+    evaluation, the same seeds, hence the same search as the run that measured it."""
+    r, _, _ = run
+    sc = Recorder()
+    r2 = search(budget="2.8bpv", n_trials=30, seed=0, scorer=sc, out=None, profile=dict(r.profile), **FAST)
+    assert sc.profile_bpv == [] and r2.n_profile_evals == 0 and len(sc.trial_bpv) == 30
+    assert any(".h" in name for name in r.profile)  # the per-head stage ran in the first search
+    assert r2.curve == r.curve
+
+
+def test_sink_length_is_searched_and_exported(run):
+    r, _, out = run
+    sinks = {r.space.quantizer_of(t.params).sink_length for t in r.study.get_trials(states=(TrialState.COMPLETE,))}
+    assert sinks <= {0, 1, 4} and len(sinks) > 1
+    assert Plan.from_yaml(out).quantizer.sink_length == r.plan.quantizer.sink_length
+
+
 def test_infeasible_budget_fails_fast():
     sc = Recorder()
     with pytest.raises(BudgetError, match="cheapest reachable plan"):

@@ -68,7 +68,8 @@ def test_parse_budget_rejects(bad):
 
 @pytest.mark.parametrize("granularity", ["slot", "layer_kv", "kvtuner"])
 def test_bpv_model_equals_accounting(granularity):
-    sp = SearchSpace(GEOM, MODS, granularity, key_axes=("channel", "token"))
+    # sink lengths inside the first group, across a group and across the text/doc boundary (64)
+    sp = SearchSpace(GEOM, MODS, granularity, key_axes=("channel", "token"), sink_lengths=(0, 3, 70))
     model = BpvModel(sp, REF)
     rng = np.random.default_rng(1)
     for q in sp.quantizers():
@@ -132,3 +133,45 @@ def test_knapsack_seed_feasible_and_beats_uniform():
     uni = np.zeros(len(sp.groups), dtype=int)  # all 2-bit fits; 3-bit does not at g128? check damage only
     idx = np.arange(len(lv))
     assert dmg[idx, lv].sum() < dmg[idx, uni].sum()
+
+
+def test_head_profile_finds_hot_heads_and_improves_the_seed():
+    """The per-head profile stage measures the heads of the worst (layer, kind) units, the
+    prior concentrates on the hot head, and the knapsack seed built on it scores better."""
+    from kvplan.search import run_profile, slot_sensitivity
+    from tests.search.synthetic import SyntheticScorer
+
+    sp = SearchSpace(GEOM, MODS, "slot")
+    sc = SyntheticScorer(seed=3)
+    coarse = run_profile(sc, sp, REF, n_head_units=0)
+    fine = run_profile(sc, sp, REF, n_head_units=4)
+    assert set(coarse) < set(fine) and len(fine) - len(coarse) == 4 * GEOM.num_kv_heads
+    worst = sorted((v, n) for n, v in coarse.items() if n.startswith("L"))[-4:]
+    assert {f"{n}.h{h}" for _, n in worst for h in range(2)} == set(fine) - set(coarse)
+    # the head split follows the scorer's own weights of that unit (sum over modalities)
+    _, name = worst[-1]
+    layer, kind = int(name[1:3]), "kv".index(name[-1])
+    truth = sc.w[layer, :, kind].sum(axis=-1)
+    measured = np.array([fine[f"{name}.h{h}"] for h in range(2)])
+    assert np.argmax(measured) == np.argmax(truth)
+    s = slot_sensitivity(sp, fine).reshape(sp.shape)
+    assert s[layer, :, kind].sum() == pytest.approx(coarse[name] * 1.0, rel=1e-9)  # the layer total is kept
+    assert np.argmax(s[layer, :, kind].sum(axis=-1)) == np.argmax(truth)
+
+    model = BpvModel(sp, REF)
+    q = QuantizerSettings(group_size=128, residual_length=0)
+    kl = {}
+    for label, prof in (("coarse", coarse), ("fine", fine)):
+        lv = knapsack_seed(model, q, 2.6, group_damage(sp, slot_sensitivity(sp, prof)))
+        assert model.bpv(lv, q) <= 2.6 + 1e-9
+        kl[label] = sc(sp.plan_of(sp.params_of(lv, q), REF))["kl"]
+    assert kl["fine"] < kl["coarse"]
+
+
+def test_head_profile_only_where_heads_are_searched():
+    from kvplan.search import run_profile
+    from tests.search.synthetic import SyntheticScorer
+
+    sp = SearchSpace(GEOM, MODS, "layer_kv")
+    prof = run_profile(SyntheticScorer(), sp, REF, n_head_units=4)
+    assert not any(".h" in n for n in prof)
