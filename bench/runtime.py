@@ -515,6 +515,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096], help="decode history lengths")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--decode-cells", type=parse_cells, default=None,
+                   help="decode cells TxB, comma separated (instead of the --contexts x --batches grid)")
     p.add_argument("--prefill-cells", type=parse_cells, default="1024x1,4096x1",
                    help="prefill cells TxB, comma separated (each runs once per config and repeat)")
     p.add_argument("--prefill-repeats", type=int, default=2)
@@ -561,7 +563,8 @@ def main(argv=None) -> int:
         fp16_model = copy.deepcopy(model).to(torch.float16)
         models["dynamic-fp16"] = fp16_model
     plans = {n: load_plan(n, model) for n in names if n.startswith(("kvplan", "plan:"))}
-    max_t = max(args.contexts + [t for t, _ in args.prefill_cells])
+    decode_cells = args.decode_cells or [(T, B) for T in args.contexts for B in args.batches]
+    max_t = max([t for t, _ in decode_cells] + [t for t, _ in args.prefill_cells])
     ids_all = text_ids(tok, max_t)
     meta = {"device": args.device if not is_cuda else torch.cuda.get_device_name(),
             "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv or sys.argv[1:])),
@@ -584,11 +587,11 @@ def main(argv=None) -> int:
 
     # ---------------------------------------------------------------- decode
     decode = {}
-    for T in args.contexts:
+    for T in sorted({t for t, _ in decode_cells}):
         t0 = time.time()
         states = fill_states(model, ids_all[:T])
         print(f"history {T}: DynamicCache prefill for the fill states {time.time() - t0:.1f}s", flush=True)
-        for B in args.batches:
+        for B in [b for t, b in decode_cells if t == T]:
             t0 = time.time()
             try:
                 res = run_decode(args, names, models, states, T, B, plans)
@@ -602,15 +605,15 @@ def main(argv=None) -> int:
         del states
         trim_memory()
     if not args.full:
-        full_t = [t for t in (1024, 4096, 16384) if t not in args.contexts]
-        if full_t:
-            skip[f"decode T={full_t}"] = ("not in this run's grid (default grid keeps the run within minutes on a "
-                                          "2-core CPU; --full or --contexts 16384 runs it)")
+        missing = [f"{t}x{b}" for t in (1024, 4096, 16384) for b in (1, 8) if (t, b) not in decode_cells]
+        if missing:
+            skip[f"decode {','.join(missing)}"] = ("not in this run's grid (default grid keeps the run within "
+                                                   "minutes on a 2-core CPU; --full or --decode-cells runs it)")
         missing = [f"{t}x{b}" for t in (1024, 4096) for b in (1, 8) if (t, b) not in args.prefill_cells]
         if missing:
             skip[f"prefill {','.join(missing)}"] = ("not in this run's grid (prefill of T×B tokens per config and "
                                                     "repeat; --full or --prefill-cells runs it)")
-    if 16384 in args.contexts and not is_cuda:
+    if any(t == 16384 for t, _ in decode_cells) and not is_cuda:
         skip.setdefault("prefill 16384xB", "never run on CPU by this script (one 16k-token prefill per config and "
                         "repeat is too slow on a 2-core CPU); decode at 16k uses one DynamicCache fill prefill")
     targets = check_targets(decode, prefill)
