@@ -153,6 +153,9 @@ def _key(levels, q) -> tuple:
 
 
 # ----------------------------------------------------------------------------- the search
+MAX_DUPLICATE_ASKS = 8  # TPE proposals repairing to known plans before falling back to a mutation
+
+
 class _Searcher:
     def __init__(self, *, space: SearchSpace, reference: Reference, budgets: list[float], scorer: Scorer,
                  study: optuna.Study, seed: int, rng_seed: int, n_trials: int, surrogate: bool, n_candidates: int,
@@ -328,8 +331,13 @@ class _Searcher:
         return out
 
     def step_single(self) -> None:
-        """Ask one trial, repair, evaluate (skip duplicates)."""
-        for _ in range(50):
+        """Ask one trial, repair, evaluate (skip duplicates).
+
+        Near the budget floor most proposals repair to an already evaluated plan; every such
+        ask is told as a FAILed trial, which makes TPE's next ask slower, so after a few
+        duplicates in a row a local mutation of the best plans is evaluated instead.
+        """
+        for _ in range(MAX_DUPLICATE_ASKS):
             t = self.ask()
             source = t.user_attrs.get("kvplan.source", "tpe")
             lv, q = self.repaired(t.params)

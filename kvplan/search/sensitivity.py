@@ -26,10 +26,10 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ..kernels.qtypes import FULL_PRECISION_BITS
-
-DEFAULT_HEAD_UNITS = 12
 from ..plans import KINDS, Plan, Provenance, QuantizerSettings, Reference
 from .space import SearchSpace
+
+DEFAULT_HEAD_UNITS = 12  # (layer, kind) units whose heads the profile measures one by one
 
 
 def profile_units(space: SearchSpace) -> dict[str, np.ndarray]:
