@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--granularity", default="slot", choices=["slot", "layer_kv", "layer", "kvtuner"],
                    help="slot = layer x KV head x K/V x modality; layer_kv = KVTuner space; kvtuner = its pairs")
     s.add_argument("--trials", type=int, default=60,
-                   help="real (scored) evaluations in the study, after the ~62-evaluation sensitivity profile")
+                   help="real (scored) evaluations in the study, after the sensitivity profile "
+                        "(100 evaluations on the default model)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--samples", type=int, default=12, help="calibration samples of the built-in task")
     s.add_argument("--heldout-samples", type=int, default=16, help="held-out samples for the final measurement")

@@ -64,7 +64,8 @@ def layout_labels(context_len: int, modality_mix) -> list[str]:
     return labels
 
 
-def stored_runs(labels: Sequence, committed_before: int, n: int, sink_length: int) -> list[tuple[object, int, int, bool]]:
+def stored_runs(labels: Sequence, committed_before: int, n: int,
+                sink_length: int) -> list[tuple[object, int, int, bool]]:
     """How the runtime stores tokens ``[committed_before, committed_before + n)`` when it commits them.
 
     ``labels[i]`` is the label of absolute position ``committed_before + i``. Returns runs

@@ -31,7 +31,8 @@ KVTUNER_PAIRS: tuple[tuple[int, int], ...] = ((8, 8), (8, 4), (4, 4), (4, 2), (2
 
 def uniform_plan(geometry: Geometry, key_bits: int, value_bits: int | None = None, *, group_size: int = 32,
                  residual_length: int = 128, key_axis: str = "channel", value_axis: str = "token",
-                 sink_length: int = 0, modalities: Sequence[str] = (DEFAULT_MODALITY,), name: str | None = None, **plan_kwargs) -> Plan:
+                 sink_length: int = 0, modalities: Sequence[str] = (DEFAULT_MODALITY,), name: str | None = None,
+                 **plan_kwargs) -> Plan:
     """Every slot at the same bits (``value_bits`` defaults to ``key_bits``)."""
     value_bits = key_bits if value_bits is None else value_bits
     modalities = tuple(modalities)

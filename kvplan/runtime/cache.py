@@ -183,8 +183,9 @@ class KVPlanLayer(CacheLayerMixin):
                     block.decode_into(rows)
                 elif heads[-1] - heads[0] + 1 == len(heads):  # a contiguous run of heads: a view
                     block.decode_into(rows[:, heads[0] : heads[-1] + 1])
-                else:
-                    rows[:, list(heads)] = block.decode(self.dtype)
+                else:  # scattered heads: one view per head, still no temporary
+                    for i, h in enumerate(heads):
+                        block.head_view(i).decode_into(rows[:, h : h + 1])
         out[:, :, self.committed :].copy_(res)
         return out
 

@@ -8,7 +8,7 @@ distinct quantizer setting, so heads of one layer can have different bits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -64,6 +64,13 @@ class PackedBlock:
             return out.copy_(self.codes)
         return _dequantize_into(out, self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
                                 self.head_dim, self.start_offset)
+
+    def head_view(self, i: int) -> "PackedBlock":
+        """The ``i``-th of this block's heads alone (views of the stored tensors, no copy)."""
+        def one(t):
+            return None if t is None else t[:, i : i + 1]
+        return replace(self, heads=(self.heads[i],), codes=one(self.codes), scale=one(self.scale),
+                       zero=one(self.zero))
 
     def append(self, other: "PackedBlock") -> None:
         """Extend this block in place with the next tokens of the same heads and settings.
