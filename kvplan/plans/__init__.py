@@ -30,10 +30,10 @@ __all__ = [
     "committed_length",
     "headguard_plan",
     "label_runs",
-    "stored_runs",
     "layerwise_plan",
     "layout_labels",
     "plan_bpv",
     "plan_bytes",
+    "stored_runs",
     "uniform_plan",
 ]

@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..errors import CacheError, PlanError
 from ..models.geometry import Geometry
 from ..kernels import FULL_PRECISION_BITS
-from ..plans import KINDS, Plan, committed_length, label_runs, stored_runs
+from ..plans import KINDS, Plan, committed_length, stored_runs
 from .fused import MAX_FUSED_QUERY, mark_pending
 from .storage import PackedBlock, Segment
 
