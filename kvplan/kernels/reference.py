@@ -53,8 +53,9 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if bits == 8:
         return packed[..., :n]
     if qt.unit_bytes == 1:  # 2 and 4 bits: byte-local shifts in uint8, no widening
-        mask = qt.qmax
-        parts = [(packed >> (j * bits)) & mask for j in range(qt.codes_per_unit)]
+        # one uint8 pass per code position of a byte; the top code needs no mask
+        top = qt.codes_per_unit - 1
+        parts = [(packed >> (j * bits)) & qt.qmax for j in range(top)] + [packed >> (top * bits)]
         return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)[..., :n]
     units = packed.shape[-1] // qt.unit_bytes
     b = packed.to(torch.int32).reshape(*packed.shape[:-1], units, qt.unit_bytes)
@@ -170,7 +171,9 @@ def dequantize_into(
         dequantize_into(tmp, packed, scale, zero, bits, group_size, axis, head_dim, start_offset)
         return out.copy_(tmp)
     B, h, T, D = out.shape
-    _unpack_into(out, packed, bits, D)
+    # uint8 codes (interleaved in uint8, cheap), then one contiguous uint8 -> float conversion:
+    # ~17% faster at 2 bits than converting each code position into a stride-4 column of out
+    out.copy_(unpack_codes(packed, bits, D))
     if axis == "token":
         g = channel_group_size(group_size, D)
         o = out.unflatten(-1, (D // g, g))
@@ -196,20 +199,3 @@ def dequantize_into(
         o = out[:, :, t0:]
         torch.addcmul(zf[:, :, gi : gi + 1], o, sf[:, :, gi : gi + 1], out=o)
     return out
-
-
-def _unpack_into(out: torch.Tensor, packed: torch.Tensor, bits: int, n: int) -> None:
-    """Codes of ``packed`` as floats into ``out [..., n]`` (last dimension contiguous)."""
-    qt = qtype(bits)
-    if bits == 8:
-        out.copy_(packed[..., :n])
-    elif qt.unit_bytes == 1 and n % qt.codes_per_unit == 0:
-        # 2 and 4 bits: one uint8 pass per code position of a byte (the top one needs no mask),
-        # interleaved into uint8 codes, then one contiguous uint8 -> float conversion into out
-        # (~17% faster at 2 bits than converting each strided column into out directly)
-        cpu = qt.codes_per_unit
-        parts = [packed & qt.qmax] + [(packed >> (j * bits)) & qt.qmax for j in range(1, cpu - 1)]
-        parts.append(packed >> ((cpu - 1) * bits))
-        out.copy_(torch.stack(parts, dim=-1).view(*packed.shape[:-1], n))
-    else:
-        out.copy_(unpack_codes(packed, bits, n))
