@@ -25,7 +25,7 @@ from ..errors import KVPlanError
 from ..kernels.qtypes import FULL_PRECISION_BITS, SUPPORTED_BITS
 from ..plans import QuantizerSettings, Reference, committed_length, layout_labels, stored_runs
 from ..plans.accounting import run_bytes
-from .space import SearchSpace
+from .space import Q_FIELDS, SearchSpace
 
 EPS = 1e-9
 _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(bpv|bits?)?\s*$", re.IGNORECASE)
@@ -78,13 +78,9 @@ class BpvModel:
         g = space.geometry
         self.labels = layout_labels(reference.context_len, reference.modality_mix)
         self.n_values = g.num_layers * g.num_kv_heads * 2 * reference.context_len * g.head_dim
-        self._terms: dict[tuple, _QTerms] = {}
+        self._terms: dict[QuantizerSettings, _QTerms] = {}  # QuantizerSettings is frozen: a key
         for q in space.quantizers():
-            self._terms[self._key(q)] = self._build(q)
-
-    @staticmethod
-    def _key(q: QuantizerSettings) -> tuple:
-        return (q.group_size, q.key_axis, q.value_axis, q.residual_length, q.sink_length)
+            self._terms[q] = self._build(q)
 
     def slot_costs(self, q: QuantizerSettings) -> np.ndarray:
         """bpv contributed by each slot at each supported bit width: float ``[n_slots, len(SUPPORTED_BITS)]``."""
@@ -125,7 +121,7 @@ class BpvModel:
 
     def terms(self, q: QuantizerSettings) -> _QTerms:
         try:
-            return self._terms[self._key(q)]
+            return self._terms[q]
         except KeyError:
             raise KVPlanError(f"quantizer {q} is not in the search space") from None
 
@@ -182,8 +178,7 @@ def closest_feasible_quantizer(model: BpvModel, q: QuantizerSettings, budget: fl
     if not feas:
         model.check_budget(budget)
     def rank(c):
-        changed = sum(getattr(c, f) != getattr(q, f) for f in ("group_size", "key_axis", "residual_length",
-                                                                "sink_length"))
+        changed = sum(getattr(c, f) != getattr(q, f) for f in Q_FIELDS.values())
         return (changed, -model.floor(c), c.group_size, c.residual_length, c.sink_length)
     return min(feas, key=rank)
 
