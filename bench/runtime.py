@@ -11,7 +11,12 @@ On the embedded default model (SmolLM2-135M, fp32 on CPU) it measures, for each 
 * ``quanto-int{4,2}`` / ``hqq-int{4,2}``: transformers ``QuantizedCache`` (defaults: group
   64, residual 128), as far as the backends install;
 * ``kvplan-int4`` / ``kvplan-int2`` / ``kvplan-k4v2`` (and ``plan:<name>`` for ``--plan-file``):
-  :class:`kvplan.KVPlanCache` on the dequantize-then-attend path;
+  :class:`kvplan.KVPlanCache` with the decode attention ``kvplan.load`` picks
+  (``--kvplan-attention auto``: the chunked PyTorch kernel on CPU, Triton on CUDA;
+  ``dequantize``: dequantize the history, then the model's SDPA). Other configs run the
+  model's SDPA; the attention implementation is switched per config before it is timed;
+* ``kvplan-…@fp16`` (prefill only, CPU): the same kvplan plans on the fp16 copy of the model,
+  so that prefill memory compares with ``dynamic-fp16`` at the same activation dtype;
 
 **decode** (per history length T and batch B): cache bytes (peak over the run), bytes per
 token, honest bits per value, and latency of one decode step. The history is filled
@@ -64,6 +69,7 @@ import torch  # noqa: E402
 QUANTIZED = [("quanto", 4), ("quanto", 2), ("hqq", 4), ("hqq", 2)]
 KVPLAN_BASELINES = ["int4", "int2", "k4v2"]
 REFERENCE = "dynamic-fp32"
+FP16_SUFFIX = "@fp16"  # a kvplan config run on the fp16 copy of the model (prefill memory only)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -75,10 +81,9 @@ def config_names(plan_file: str | None, skip: dict) -> list[str]:
             skip[name] = f"backend {backend!r} does not import (pip install hqq optimum-quanto)"
             continue
         names.append(name)
-    names += [f"kvplan-{b}" for b in KVPLAN_BASELINES]
-    if plan_file:
-        names.append("plan:" + plan_file)
-    return names
+    kvplan_names = [f"kvplan-{b}" for b in KVPLAN_BASELINES] + (["plan:" + plan_file] if plan_file else [])
+    # prefill only (CPU): the same plans on the fp16 model, compared with the fp16 model's DynamicCache
+    return names + kvplan_names + [n + FP16_SUFFIX for n in kvplan_names]
 
 
 def backend_available(backend: str) -> bool:
@@ -93,10 +98,11 @@ def backend_available(backend: str) -> bool:
 
 
 def config_dtype(name: str, base_dtype: torch.dtype) -> torch.dtype:
-    return torch.float16 if name == "dynamic-fp16" else base_dtype
+    return torch.float16 if name == "dynamic-fp16" or name.endswith(FP16_SUFFIX) else base_dtype
 
 
 def config_bits(name: str) -> str:
+    name = name.removesuffix(FP16_SUFFIX)
     if name.startswith("dynamic"):
         return name.split("-fp")[1]
     if name.startswith("plan:"):
@@ -107,6 +113,7 @@ def config_bits(name: str) -> str:
 def load_plan(name: str, model):
     from kvplan.runtime.load import resolve_plan
 
+    name = name.removesuffix(FP16_SUFFIX)
     return resolve_plan(name[5:] if name.startswith("plan:") else name.split("-", 1)[1], model)
 
 
@@ -120,7 +127,18 @@ def make_cache(name: str, model, plan=None):
     if name.startswith(("quanto", "hqq")):
         backend, bits = name.split("-int")
         return QuantizedCache(backend=backend, config=model.config, nbits=int(bits))
-    return kvplan.KVPlanCache(plan if plan is not None else load_plan(name, model), model)
+    kernel = getattr(model, "_kvplan_attention_kernel", None)  # set by kvplan.load (decode only)
+    return kvplan.KVPlanCache(plan if plan is not None else load_plan(name, model), model, attention_kernel=kernel)
+
+
+def use_attention(model, name: str) -> None:
+    """kvplan configs decode through kvplan.load's attention (when it set one); others the model's SDPA."""
+    from kvplan.runtime.fused import ATTENTION_NAME, set_text_attention
+
+    packed = getattr(model, "_kvplan_attention_kernel", None) is not None and name.startswith(("kvplan", "plan:"))
+    want = ATTENTION_NAME if packed else "sdpa"
+    if model.config._attn_implementation != want:
+        set_text_attention(model, want)
 
 
 # ----------------------------------------------------------------------------- memory accounting
@@ -247,6 +265,10 @@ def prefill_child(spec: dict) -> dict:
     model, _ = load(spec["model_dir"], dtype, "cpu")
     ids_all = torch.load(spec["ids"])
     plan = None if name.startswith(("dynamic", "quanto", "hqq")) else load_plan(name, model)
+    if plan is not None:  # the model as kvplan.load leaves it (its attention and mask functions)
+        import kvplan
+
+        kvplan.load(model, plan, attention=spec["kvplan_attention"])
     warm = ids_all[:64].unsqueeze(0)
     model(input_ids=warm, cache=make_cache(name, model, plan), logits_to_keep=1)
     out = []
@@ -275,7 +297,8 @@ def run_prefill(args, names, model_dir, ids_path, dtype, skip) -> dict:
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             spec = {"config": name, "threads": args.threads, "dtype": str(config_dtype(name, dtype)).split(".")[1],
-                    "model_dir": model_dir, "ids": ids_path, "cells": cells}
+                    "model_dir": model_dir, "ids": ids_path, "cells": cells,
+                    "kvplan_attention": args.kvplan_attention}
             t0 = time.time()
             env = dict(os.environ)
             if args.mmap_threshold:  # glibc: tensors above this size are mmapped and go back to the OS when freed
@@ -319,6 +342,7 @@ def run_prefill_cuda(args, names, model, ids_all, plans) -> dict:
         for r in range(args.prefill_repeats + 1):
             for name in names[r % len(names):] + names[: r % len(names)]:
                 m = model if name != "dynamic-fp16" else plans["__fp16_model"]
+                use_attention(m, name)
                 cache = make_cache(name, m, plans.get(name))
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -387,10 +411,12 @@ def run_decode(args, names, models, states, T, B, plans) -> dict:
     tok = torch.full((B, 1), 504, dtype=torch.long, device=device)
     # warm-up: one step each, not timed
     for name in names:
+        use_attention(models[name], name)
         models[name](input_ids=tok, cache=caches[name], logits_to_keep=1)
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
             model, cache = models[name], caches[name]
+            use_attention(model, name)
             for _ in range(args.steps):
                 sync(device)
                 t0 = time.perf_counter()
@@ -435,6 +461,8 @@ def render(meta, decode, prefill, skip, targets) -> str:
          f"{meta['model']}, {meta['dtype']}, torch {meta['torch']}, transformers {meta['transformers']}, "
          f"{meta['threads']} torch thread(s), {meta['cpu']}; {meta['date']}. Host load average at start: "
          f"{meta['loadavg']}.", "",
+         f"kvplan decode attention: `{meta.get('kvplan_attention_kernel')}` "
+         f"(`--kvplan-attention {meta.get('kvplan_attention')}`); prefill always dequantizes and runs SDPA.", "",
          "Ratios are against `dynamic-fp32` (DynamicCache, the model's own dtype) measured in the same run, "
          f"interleaved. Decode: median of {meta['rounds']}×{meta['steps']} steps per config. ", ""]
     L += ["## Decode", "",
@@ -492,7 +520,9 @@ def check_targets(decode, prefill) -> list[str]:
     for row in prefill.values():
         if not row["config"].startswith(("kvplan", "plan:")):
             continue
-        for refname in ("dynamic-fp32", "dynamic-fp16"):
+        # same model dtype first (the fp16 model's kvplan vs its DynamicCache), then fp32 kvplan vs fp16
+        refs = ("dynamic-fp16",) if row["config"].endswith(FP16_SUFFIX) else ("dynamic-fp32", "dynamic-fp16")
+        for refname in refs:
             ref = prefill.get(f"{refname}|{row['T']}|{row['B']}")
             if not ref or row["peak_above_before_mib"] is None or ref["peak_above_before_mib"] is None:
                 continue
@@ -527,6 +557,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="consecutive decode steps per config per round")
     p.add_argument("--full", action="store_true", help="full grid: decode 1k/4k/16k x 1/8, prefill 1k/4k x 1/8")
     p.add_argument("--configs", nargs="+", help="only these configs (names as in the table)")
+    p.add_argument("--kvplan-attention", default="auto", choices=["auto", "chunked", "triton", "dequantize"],
+                   help="decode attention of the kvplan configs, as kvplan.load(..., attention=...)")
     p.add_argument("--plan-file", help="a searched plan file (YAML) to add")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
@@ -547,8 +579,10 @@ def main(argv=None) -> int:
     skip: dict = {}
     names = config_names(args.plan_file, skip)
     if args.configs:
-        names = [n for n in names if n in args.configs or n.startswith("dynamic")]
+        names = [n for n in names if n.removesuffix(FP16_SUFFIX) in args.configs or n.startswith("dynamic")]
     is_cuda = args.device.startswith("cuda")
+    prefill_names = [n for n in names if not (is_cuda and n.endswith(FP16_SUFFIX))]  # CUDA: the model is fp16
+    names = [n for n in names if not n.endswith(FP16_SUFFIX)]
     dtype = torch.float16 if is_cuda else torch.float32
     if is_cuda:  # the model runs in fp16 there: its DynamicCache is the reference
         names = [n for n in names if n != "dynamic-fp32"]
@@ -563,6 +597,10 @@ def main(argv=None) -> int:
         fp16_model = copy.deepcopy(model).to(torch.float16)
         models["dynamic-fp16"] = fp16_model
     plans = {n: load_plan(n, model) for n in names if n.startswith(("kvplan", "plan:"))}
+    if plans:  # sets the decode attention kernel kvplan configs use (use_attention switches per config)
+        import kvplan
+
+        kvplan.load(model, next(iter(plans.values())), attention=args.kvplan_attention)
     decode_cells = args.decode_cells or [(T, B) for T in args.contexts for B in args.batches]
     max_t = max([t for t, _ in decode_cells] + [t for t, _ in args.prefill_cells])
     ids_all = text_ids(tok, max_t)
@@ -571,19 +609,22 @@ def main(argv=None) -> int:
             "model": "SmolLM2-135M-Instruct (embedded)", "dtype": str(dtype).split(".")[1],
             "torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads,
             "cpu": f"{os.cpu_count()} CPUs ({platform.machine()})", "loadavg": os.getloadavg()[0],
-            "date": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds, "steps": args.steps}
+            "date": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds, "steps": args.steps,
+            "kvplan_attention": args.kvplan_attention if plans else None,
+            "kvplan_attention_kernel": getattr(getattr(model, "_kvplan_attention_kernel", None), "__name__",
+                                               "dequantize-then-SDPA")}
 
     # ---------------------------------------------------------------- prefill / peak memory
     with tempfile.TemporaryDirectory() as tmp:
         if is_cuda:
             plans_and_models = dict(plans, __fp16_model=fp16_model)
-            prefill = run_prefill_cuda(args, names, model, ids_all, plans_and_models)
+            prefill = run_prefill_cuda(args, prefill_names, model, ids_all, plans_and_models)
         else:
             save_weights(model, tmp)
             ids_path = os.path.join(tmp, "ids.pt")
             torch.save(ids_all, ids_path)
             print(f"prefill cells {args.prefill_cells}, {args.prefill_repeats} repeats", flush=True)
-            prefill = run_prefill(args, names, tmp, ids_path, dtype, skip)
+            prefill = run_prefill(args, prefill_names, tmp, ids_path, dtype, skip)
 
     # ---------------------------------------------------------------- decode
     decode = {}

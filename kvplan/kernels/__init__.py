@@ -1,4 +1,4 @@
-"""Quantize / pack / dequantize (and, on GPU, fused attention) behind one dispatcher.
+"""Quantize / pack / dequantize and decode attention over packed blocks behind one dispatcher.
 
 Each op has a PyTorch reference (``reference.py``) and a Triton kernel with the same
 signature (``triton_kernels.py``). CUDA tensors go to Triton when it imports; everything
@@ -19,6 +19,7 @@ from .qtypes import FULL_PRECISION_BITS, GROUP_SIZES, QTYPES, SUPPORTED_BITS, pa
 __all__ = [
     "FULL_PRECISION_BITS",
     "decode_attention",
+    "decode_attention_kernel",
     "GROUP_SIZES",
     "QTYPES",
     "SUPPORTED_BITS",
@@ -75,14 +76,21 @@ def dequantize_into(out, packed, scale, zero, bits, group_size, axis, head_dim, 
 def decode_attention(q, key_blocks, value_blocks, key_residual, value_residual, attn_mask=None, sm_scale=None):
     """Decode attention over packed blocks + residual: ``q [B, Hq, Tq, D]`` -> ``[B, Hq, Tq, D]``.
 
-    The fused Triton kernel for CUDA tensors when Triton imports, else the PyTorch reference
-    (dequantize, then softmax attention). See ``triton_kernels.packed_decode_attention``.
+    The fused Triton kernel for CUDA tensors when Triton imports
+    (``triton_kernels.packed_decode_attention``), else the chunked PyTorch kernel
+    (``attention_chunked.chunked_decode_attention``: dequantize a cache-sized chunk, attend,
+    next chunk). ``attention_reference.reference_decode_attention`` is the test oracle.
     """
-    if _use_triton(q):
-        from . import triton_kernels
+    return decode_attention_kernel(q.is_cuda)(q, key_blocks, value_blocks, key_residual, value_residual,
+                                              attn_mask, sm_scale)
 
-        return triton_kernels.packed_decode_attention(
-            q, key_blocks, value_blocks, key_residual, value_residual, attn_mask, sm_scale)
-    from .attention_reference import reference_decode_attention
 
-    return reference_decode_attention(q, key_blocks, value_blocks, key_residual, value_residual, attn_mask, sm_scale)
+def decode_attention_kernel(cuda: bool):
+    """The decode-attention function :func:`decode_attention` uses for CUDA (``True``) or other tensors."""
+    if cuda and triton_available():
+        from .triton_kernels import packed_decode_attention
+
+        return packed_decode_attention
+    from .attention_chunked import chunked_decode_attention
+
+    return chunked_decode_attention

@@ -178,14 +178,8 @@ class KVPlanLayer(CacheLayerMixin):
         for seg in segs:
             rows = out[:, :, seg.start : seg.start + seg.length]
             for block in seg.blocks:
-                heads = block.heads
-                if len(heads) == H:
-                    block.decode_into(rows)
-                elif heads[-1] - heads[0] + 1 == len(heads):  # a contiguous run of heads: a view
-                    block.decode_into(rows[:, heads[0] : heads[-1] + 1])
-                else:  # scattered heads: one view per head, still no temporary
-                    for i, h in enumerate(heads):
-                        block.head_view(i).decode_into(rows[:, h : h + 1])
+                for h0, h1, run in block.head_runs():  # contiguous heads: views, no temporary
+                    run.decode_into(rows[:, h0:h1])
         out[:, :, self.committed :].copy_(res)
         return out
 

@@ -1,17 +1,17 @@
-"""Fused decode attention straight from the packed cache, plugged into transformers.
+"""Decode attention straight from the packed cache, plugged into transformers.
 
-``kvplan.load(model, plan, attention="triton")`` (the default on CUDA when Triton imports)
-registers the attention function ``kvplan_packed`` with transformers'
-``AttentionInterface`` (and a materialized causal/padding mask with
-``AttentionMaskInterface``) and sets it on the model's text decoder only; a VLM's vision
-tower keeps its own attention.
+``kvplan.load(model, plan)`` (``attention="auto"``, ``"triton"`` or ``"chunked"``) registers
+the attention function ``kvplan_packed`` with transformers' ``AttentionInterface`` (and
+SDPA's mask function with ``AttentionMaskInterface``) and sets it on the model's text
+decoder only; a VLM's vision tower keeps its own attention.
 
-A cache layer in fused mode returns its full-precision residual from ``update`` and
+A cache layer in this mode returns its full-precision residual from ``update`` and
 remembers itself under that tensor's id; the attention function finds the layer and
-runs :func:`kvplan.kernels.triton_kernels.packed_decode_attention` over the packed
-segments plus the residual, without materializing the dequantized cache. Tokens that
-are due for commit are committed right after the attention call, so each token's first
-use is at full precision exactly as on the dequantizing path.
+runs the cache's kernel (:func:`kvplan.kernels.triton_kernels.packed_decode_attention` on
+CUDA, :func:`kvplan.kernels.attention_chunked.chunked_decode_attention` elsewhere) over the
+packed segments plus the residual, without materializing the whole dequantized cache.
+Tokens that are due for commit are committed right after the attention call, so each
+token's first use is at full precision exactly as on the dequantizing path.
 """
 
 from __future__ import annotations
@@ -52,10 +52,13 @@ def kvplan_packed_attention(module, query, key, value, attention_mask, scaling=N
 def register() -> str:
     """Register the fused attention and its mask function with transformers (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTENTION_NAME, kvplan_packed_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+    # SDPA's masks: the prefill falls back to SDPA and keeps its is_causal shortcut (no
+    # materialized [B, 1, T, T] mask); a decode step gets None (nothing to mask) or a bool
+    # padding/causal mask [B, 1, Tq, T], which the kernels take as is
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
     return ATTENTION_NAME
 
 

@@ -48,18 +48,20 @@ def make_cache(model, plan, input_ids=None, attention_mask=None) -> KVPlanCache:
     return cache
 
 
-ATTENTION_MODES = ("auto", "triton", "dequantize")
+ATTENTION_MODES = ("auto", "triton", "chunked", "dequantize")
 
 
 def _attention_kernel(model, attention: str):
-    """The fused decode-attention kernel to use, or ``None`` for dequantize-then-attend."""
-    from ..kernels import triton_available
+    """The decode-attention kernel to use, or ``None`` for dequantize-then-attend."""
+    from ..kernels import decode_attention_kernel, triton_available
 
     if attention not in ATTENTION_MODES:
         raise PlanError("attention", f"must be one of {list(ATTENTION_MODES)}", attention)
-    on_cuda = next(model.parameters()).is_cuda
-    if attention == "dequantize" or (attention == "auto" and not (on_cuda and triton_available())):
+    if attention == "dequantize":
         return None
+    on_cuda = next(model.parameters()).is_cuda
+    if attention != "triton":  # auto: Triton on CUDA when it imports, else chunked; or chunked forced
+        return decode_attention_kernel(on_cuda and attention == "auto")
     if not triton_available():
         raise PlanError("attention", "Triton kernels requested but Triton cannot be imported", attention)
     if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -73,8 +75,11 @@ def load(model, plan, attention: str = "auto"):
     """Validate ``plan`` (a path, a :class:`Plan` or a baseline name) against ``model`` and
     make ``model.generate(...)`` use a fresh quantized cache following it on every call.
 
-    ``attention``: ``"auto"`` uses the fused Triton decode attention on CUDA when Triton
-    imports and dequantize-then-attend otherwise; ``"triton"`` / ``"dequantize"`` force one.
+    ``attention`` (decode steps; prefill always dequantizes and runs the model's attention):
+    ``"auto"`` uses the fused Triton decode attention on CUDA when Triton imports and the
+    chunked PyTorch kernel otherwise (``kernels/attention_chunked.py``: dequantizes a
+    cache-sized chunk at a time, never the whole history); ``"triton"``, ``"chunked"`` or
+    ``"dequantize"`` (dequantize the history, then the model's own attention) force one.
     Returns the model. A ``cache=`` passed to ``generate`` explicitly is used as is.
     ``kvplan.unload(model)`` restores the original ``generate`` and attention.
     """

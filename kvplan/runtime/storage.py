@@ -65,12 +65,56 @@ class PackedBlock:
         return _dequantize_into(out, self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
                                 self.head_dim, self.start_offset)
 
-    def head_view(self, i: int) -> "PackedBlock":
-        """The ``i``-th of this block's heads alone (views of the stored tensors, no copy)."""
-        def one(t):
-            return None if t is None else t[:, i : i + 1]
-        return replace(self, heads=(self.heads[i],), codes=one(self.codes), scale=one(self.scale),
-                       zero=one(self.zero))
+    def head_range(self, i0: int, i1: int) -> "PackedBlock":
+        """This block's heads ``i0 .. i1 - 1`` (positions in ``heads``) alone: views, no copy."""
+        def part(t):
+            return None if t is None else t[:, i0:i1]
+        return replace(self, heads=self.heads[i0:i1], codes=part(self.codes), scale=part(self.scale),
+                       zero=part(self.zero))
+
+    def head_runs(self):
+        """``(h0, h1, block)`` for each maximal run of consecutive physical heads ``h0 .. h1 - 1``."""
+        i0 = 0
+        for i in range(1, len(self.heads) + 1):
+            if i == len(self.heads) or self.heads[i] != self.heads[i - 1] + 1:
+                yield self.heads[i0], self.heads[i - 1] + 1, (self if i0 == 0 and i == len(self.heads)
+                                                               else self.head_range(i0, i))
+                i0 = i
+
+    def token_range(self, a: int, b: int) -> "PackedBlock":
+        """Tokens ``a .. b - 1`` of this block alone (views of the stored tensors, no copy).
+
+        Channel axis: ``a`` must be 0 or sit on a group boundary (``(start_offset + a) %
+        group_size == 0``) so the range owns whole per-group scales from its start.
+        """
+        if not 0 <= a < b <= self.length:
+            raise ValueError(f"token range [{a}, {b}) outside the block's {self.length} tokens")
+        if a == 0 and b == self.length:
+            return self
+        codes = self.codes[:, :, a:b]
+        if self.bits == FULL_PRECISION_BITS:
+            return replace(self, codes=codes, length=b - a)
+        if self.axis == "token":
+            return replace(self, codes=codes, scale=self.scale[:, :, a:b], zero=self.zero[:, :, a:b], length=b - a)
+        first = self.start_offset + a
+        if a and first % self.group_size:
+            raise ValueError(f"channel-axis token range must start on a group boundary (token {a}, offset "
+                             f"{self.start_offset}, group {self.group_size})")
+        g0, g1 = first // self.group_size, -(-(self.start_offset + b) // self.group_size)
+        return replace(self, codes=codes, scale=self.scale[:, :, g0:g1], zero=self.zero[:, :, g0:g1],
+                       start_offset=first % self.group_size, length=b - a)
+
+    def token_chunks(self, chunk_tokens: int):
+        """``(a, b, block)`` covering the tokens in order, ``chunk_tokens`` (a multiple of the
+        group size) at a time; chunk ends fall on group boundaries for the channel axis."""
+        if chunk_tokens % self.group_size:
+            raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of group size {self.group_size}")
+        a = 0
+        end = chunk_tokens - self.start_offset
+        while a < self.length:
+            b = min(end, self.length)
+            yield a, b, self.token_range(a, b)
+            a, end = b, end + chunk_tokens
 
     def append(self, other: "PackedBlock") -> None:
         """Extend this block in place with the next tokens of the same heads and settings.

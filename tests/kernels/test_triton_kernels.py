@@ -33,6 +33,8 @@ from kvplan.kernels import triton_kernels as tk  # noqa: E402
 from kvplan.kernels.attention_reference import reference_decode_attention  # noqa: E402
 from kvplan.kernels.qtypes import packed_row_bytes  # noqa: E402
 from kvplan.runtime.storage import PackedBlock  # noqa: E402
+from tests.kernels import attention_cases  # noqa: E402
+from tests.kernels.attention_cases import ATTN_CASES, ATTN_TOL, PLANS  # noqa: E402
 
 if INTERPRET:
     from triton.runtime.interpreter import InterpretedFunction
@@ -52,16 +54,19 @@ gpu = pytest.mark.skipif(
 BITS = [2, 3, 4, 8]
 GROUPS = [32, 64, 128]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-# (atol, rtol): values reach ~10 (outlier channels), where one fp16 / bf16 ulp is 8e-3 / 6e-2.
-ATTN_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (1e-2, 1e-2), torch.bfloat16: (3e-2, 2e-2)}
 
 
 def _rand(shape, dtype, seed, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g) * scale
-    # Some outlier channels, like real keys.
-    x[..., :3] *= 8
-    return x.to(dtype).to(DEVICE)
+    return attention_cases.rand(shape, dtype, seed, scale).to(DEVICE)
+
+
+def _make_cache(B, Hkv, D, dtype, segments, Tr, seed):
+    return attention_cases.make_cache(B, Hkv, D, dtype, segments, Tr, seed, DEVICE)
+
+
+def _mask(kind, B, Hq, Tq, T_total):
+    m = attention_cases.mask(kind, B, Hq, Tq, T_total)
+    return None if m is None else m.to(DEVICE)
 
 
 def _check_quantize(x, bits, group_size, axis, start_offset=0):
@@ -206,83 +211,6 @@ def test_dequantize_matches_reference(bits, group_size, axis, dtype):
 
 
 # ----------------------------------------------------------------------------- fused attention
-def _make_cache(B, Hkv, D, dtype, segments, Tr, seed):
-    """segments: list of (T, [(heads, bits, axis)] for K, [(heads, bits, axis)] for V)."""
-    key_blocks, value_blocks = [], []
-    start = 0
-    for i, (T, kspec, vspec) in enumerate(segments):
-        k = _rand((B, Hkv, T, D), dtype, seed=seed + 10 * i)
-        v = _rand((B, Hkv, T, D), dtype, seed=seed + 10 * i + 1, scale=0.5)
-        key_blocks.append(
-            [PackedBlock.encode(k[:, list(h)].contiguous(), h, bits, ax, 32, start) for h, bits, ax in kspec]
-        )
-        value_blocks.append(
-            [PackedBlock.encode(v[:, list(h)].contiguous(), h, bits, ax, 32, start) for h, bits, ax in vspec]
-        )
-        start += T
-    kr = _rand((B, Hkv, Tr, D), dtype, seed=seed + 500) if Tr else None
-    vr = _rand((B, Hkv, Tr, D), dtype, seed=seed + 501) if Tr else None
-    return key_blocks, value_blocks, kr, vr, start + Tr
-
-
-# Mixed plans: per-head-group bits, K / V groupings that differ, a 16-bit block, several segments.
-PLANS = {
-    "mixed-2seg": (
-        4,
-        [
-            (37, [((0, 1), 4, "channel"), ((2, 3), 2, "channel")], [((0,), 8, "token"), ((1, 2, 3), 3, "token")]),
-            (21, [((0, 2), 16, "channel"), ((1, 3), 3, "token")], [((0, 1, 2, 3), 2, "token")]),
-        ],
-        6,
-    ),
-    "int4-kivi-3seg": (
-        2,
-        [
-            (32, [((0, 1), 4, "channel")], [((0, 1), 4, "token")]),
-            (32, [((1,), 2, "channel"), ((0,), 4, "channel")], [((0,), 2, "token"), ((1,), 4, "token")]),
-            (7, [((0, 1), 4, "channel")], [((0, 1), 4, "token")]),
-        ],
-        3,
-    ),
-    "residual-only": (2, [], 9),
-    "one-seg-no-residual": (1, [(40, [((0,), 3, "channel")], [((0,), 2, "token")])], 0),
-}
-
-ATTN_CASES = {
-    # id: (plan, dtype, n_rep, Tq, D, mask)
-    "mixed-fp32-gqa3-tq2-padmask": ("mixed-2seg", torch.float32, 3, 2, 64, "pad-bool"),
-    "mixed-fp16-gqa7-tq1-padmask": ("mixed-2seg", torch.float16, 7, 1, 64, "pad-bool"),
-    "mixed-bf16-gqa2-tq3-floatmask": ("mixed-2seg", torch.bfloat16, 2, 3, 64, "float-per-head"),
-    "kivi-fp16-D128-nomask": ("int4-kivi-3seg", torch.float16, 4, 1, 128, None),
-    "kivi-fp32-D128-causal": ("int4-kivi-3seg", torch.float32, 1, 3, 128, "causal-float"),
-    "residual-only-fp16": ("residual-only", torch.float16, 2, 1, 64, "pad-bool"),
-    "one-seg-fp32-mha": ("one-seg-no-residual", torch.float32, 1, 1, 64, "pad-float"),
-}
-
-
-def _mask(kind, B, Hq, Tq, T_total):
-    if kind is None:
-        return None
-    keep = torch.ones(B, 1, Tq, T_total, dtype=torch.bool)
-    if B > 1:
-        keep[1, :, :, : min(7, T_total - 1)] = False  # left padding of row 1
-    if kind == "pad-bool":
-        keep[0, :, -1, -1] = False
-        return keep.to(DEVICE)
-    if kind == "pad-float":
-        return torch.zeros(B, 1, Tq, T_total).masked_fill(~keep, float("-inf")).to(DEVICE)
-    if kind == "float-per-head":
-        g = torch.Generator().manual_seed(11)
-        m = torch.randn(B, Hq, Tq, T_total, generator=g)  # finite additive bias per head
-        return m.masked_fill(~keep, float("-inf")).to(DEVICE)
-    if kind == "causal-float":
-        m = torch.zeros(B, 1, Tq, T_total)
-        for i in range(Tq):  # the last Tq keys are the queries' own positions
-            m[:, :, i, T_total - Tq + i + 1 :] = float("-inf")
-        return m.masked_fill(~keep, float("-inf")).to(DEVICE)
-    raise AssertionError(kind)
-
-
 @pytest.mark.parametrize("case", list(ATTN_CASES.values()), ids=list(ATTN_CASES))
 def test_packed_decode_attention(case):
     plan, dtype, n_rep, Tq, D, mask_kind = case

@@ -1,4 +1,5 @@
-"""kvplan.load with the fused Triton decode attention (CPU: Triton interpreter)."""
+"""kvplan.load with decode attention from the packed cache: the chunked PyTorch kernel, and
+the fused Triton kernel (CPU: Triton interpreter)."""
 
 import dataclasses
 import os
@@ -10,10 +11,16 @@ import kvplan
 from kvplan import Geometry, baseline_plan, uniform_plan
 from tests.tiny_models import llava_onevision_inputs, tiny_llama, tiny_llava_onevision
 
-pytest.importorskip("triton")
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)",
-                allow_module_level=True)
+
+def _triton_runs() -> bool:
+    from kvplan.kernels import triton_available
+
+    return triton_available() and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+needs_triton = pytest.mark.skipif(not _triton_runs(), reason="needs Triton with CUDA or TRITON_INTERPRET=1 "
+                                  "(tests/conftest.py sets it without a GPU)")
+KERNELS = [pytest.param("chunked", id="chunked"), pytest.param("triton", id="triton", marks=needs_triton)]
 
 
 def _mixed_plan(geometry):
@@ -24,8 +31,9 @@ def _mixed_plan(geometry):
     return plan.with_table(table)
 
 
+@pytest.mark.parametrize("attention", KERNELS)
 @pytest.mark.parametrize("sink_length", [0, 3])
-def test_fused_attention_matches_dequantize_path(sink_length):
+def test_fused_attention_matches_dequantize_path(sink_length, attention):
     model = tiny_llama()
     ids = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9] * 6, [10, 11, 12, 13, 14, 15, 16, 17] * 6])
     mask = torch.ones_like(ids)
@@ -35,7 +43,7 @@ def test_fused_attention_matches_dequantize_path(sink_length):
     kvplan.load(model, plan, attention="dequantize")
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
                          output_scores=True, return_dict_in_generate=True)
-    kvplan.load(model, plan, attention="triton")
+    kvplan.load(model, plan, attention=attention)
     assert model.config._attn_implementation == "kvplan_packed"
     calls = []
     kernel = model._kvplan_attention_kernel
@@ -51,11 +59,12 @@ def test_fused_attention_matches_dequantize_path(sink_length):
     assert model.config._attn_implementation != "kvplan_packed"
 
 
-def test_vlm_vision_tower_keeps_its_attention():
+@pytest.mark.parametrize("attention", KERNELS)
+def test_vlm_vision_tower_keeps_its_attention(attention):
     model = tiny_llava_onevision()
     before = model.config.vision_config._attn_implementation
     kvplan.load(model, baseline_plan("int4", Geometry.of(model), residual_length=0,
-                                     modalities=("text", "visual")), attention="triton")
+                                     modalities=("text", "visual")), attention=attention)
     assert model.config.text_config._attn_implementation == "kvplan_packed"
     assert model.config.vision_config._attn_implementation == before
     from skimage import data
