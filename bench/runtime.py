@@ -615,8 +615,11 @@ def main(argv=None) -> int:
                                                "dequantize-then-SDPA")}
 
     # ---------------------------------------------------------------- prefill / peak memory
+    prefill: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        if is_cuda:
+        if not args.prefill_cells:  # decode-only run: no prefill children
+            pass
+        elif is_cuda:
             plans_and_models = dict(plans, __fp16_model=fp16_model)
             prefill = run_prefill_cuda(args, prefill_names, model, ids_all, plans_and_models)
         else:
