@@ -15,9 +15,9 @@ at once:
    keys, so no online-softmax rescaling is needed);
 3. output: per chunk ``out += p_chunk @ v_chunk``.
 
-On a 2-core CPU at a 4k history and batch 8 this is ~3× faster than dequantizing the
-whole history first (``bench/runtime.md``), because the dequantized values never leave
-the caches.
+Per layer on one CPU thread it is 1.5× faster than dequantizing the whole history first at
+a 4k history and batch 8, 3.2× at 16k × 8, and 10-15% slower at 1k × 1
+(``bench/results/attention-cpu.md``): the dequantized values never leave the caches.
 """
 
 from __future__ import annotations
