@@ -60,8 +60,10 @@ def _attention_kernel(model, attention: str):
     if attention == "dequantize":
         return None
     on_cuda = next(model.parameters()).is_cuda
-    if attention != "triton":  # auto: Triton on CUDA when it imports, else chunked; or chunked forced
-        return decode_attention_kernel(on_cuda and attention == "auto")
+    if attention == "auto":  # Triton on CUDA when it imports, else the chunked kernel
+        return decode_attention_kernel(cuda=on_cuda)
+    if attention == "chunked":
+        return decode_attention_kernel(cuda=False)
     if not triton_available():
         raise PlanError("attention", "Triton kernels requested but Triton cannot be imported", attention)
     if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
