@@ -28,7 +28,7 @@ def _cmd_validate(args) -> int:
           f"({plan.geometry.num_layers} layers x {plan.geometry.num_kv_heads} KV heads, "
           f"head_dim {plan.geometry.head_dim}); modalities {list(plan.modalities)}")
     print(f"honest bpv {bpv.total:.4f} (payload {bpv.payload:.4f}, scales/zeros {bpv.scales_zeros:.4f}, "
-          f"residual {bpv.residual:.4f}) at {ref.context_len} tokens, mix {dict(ref.modality_mix)}")
+          f"key correction {bpv.correction:.4f}, residual {bpv.residual:.4f}) at {ref.context_len} tokens, mix {dict(ref.modality_mix)}")
     return 0
 
 
@@ -61,6 +61,8 @@ def _cmd_search(args) -> int:
         extra["sink_lengths"] = tuple(args.sink_lengths)
     if args.head_profile is not None:
         extra["profile_head_units"] = args.head_profile
+    if args.key_correction_rank is not None:
+        extra["key_correction_rank"] = args.key_correction_rank
     result = search(model=args.model, budget=budgets, granularity=args.granularity, n_trials=args.trials,
                     seed=args.seed, storage=args.storage, study_name=args.study_name, out=args.out,
                     scorer=scorer, heldout_scorer=heldout, pareto=args.pareto, surrogate=not args.no_surrogate,
@@ -72,7 +74,8 @@ def _cmd_search(args) -> int:
               f"{held.get('kl_ci95_hi', float('nan')):.4f}]") if "kl" in held else "no held-out measurement"
         where = result.paths.get(f"plan@{budget:g}", result.paths.get("plan", "(not written)"))
         print(f"budget {budget:g} bpv -> {where}: honest bpv {bpv.total:.4f} (payload {bpv.payload:.3f}, "
-              f"scales/zeros {bpv.scales_zeros:.3f}, residual {bpv.residual:.3f}); {kl}")
+              f"scales/zeros {bpv.scales_zeros:.3f}, key correction {bpv.correction:.3f}, residual "
+              f"{bpv.residual:.3f}); {kl}")
     print(f"{result.n_real_evals} real trials + {result.n_profile_evals} profile evaluations in "
           f"{result.elapsed_s:.0f} s; trial history: {result.paths.get('trials', '(none)')}")
     return 0
@@ -145,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--head-profile", type=int, default=None, metavar="UNITS",
                    help="profile the KV heads of this many most damaging (layer, K/V) units one by one "
                         "(slot granularity; default 12, 0 = off)")
+    s.add_argument("--key-correction-rank", type=int, default=None, metavar="R",
+                   help="let 2-bit key slots also store a rank-R HeadQ-style correction of their error in "
+                        "per-head query bases learned on the calibration samples (default: "
+                        "kvplan.search.DEFAULT_KEY_CORRECTION_RANK; 0 = off)")
     s.add_argument("--out", default="plan.yaml", help="plan file to write (atomically); history saved beside it")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=_cmd_search)

@@ -14,6 +14,7 @@ and the Pareto front; otherwise the report says what is missing.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -71,10 +72,7 @@ def report(plan_path, importance: bool = True, seed: int = 0) -> dict[str, Any]:
     rep: dict[str, Any] = {"plan": plan_path, "name": plan.name, "missing": []}
     rep["model"] = {"model_type": g.model_type, "num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads,
                     "head_dim": g.head_dim, "fingerprint": g.fingerprint}
-    rep["quantizer"] = {"group_size": plan.quantizer.group_size, "key_axis": plan.quantizer.key_axis,
-                        "value_axis": plan.quantizer.value_axis,
-                        "residual_length": plan.quantizer.residual_length,
-                        "sink_length": plan.quantizer.sink_length}
+    rep["quantizer"] = dataclasses.asdict(plan.quantizer)
     rep["budget"] = {"target_bpv": plan.target_bpv, "reference": {"context_len": ref.context_len,
                                                                    "modality_mix": dict(ref.modality_mix)},
                      "bpv": bpv.as_dict()}
@@ -197,6 +195,10 @@ def render_text(rep: dict) -> str:
     L.append(f"quantizer: group {q['group_size']}, keys per {q['key_axis']}, values per {q['value_axis']}, "
              f"residual {q['residual_length']} newest and {q.get('sink_length', 0)} first (attention-sink) tokens "
              "at full precision")
+    if q.get("key_correction_rank"):
+        L.append(f"key correction: keys at <= {q['key_correction_max_bits']} bits also store a rank-"
+                 f"{q['key_correction_rank']} code of their error ({q['key_correction_bits']}-bit) in a per-head "
+                 "query basis learned on the calibration data (HeadQ-style)")
     b = rep["budget"]
     mix = ", ".join(f"{k} {v:.1%}" for k, v in b["reference"]["modality_mix"].items())
     L.append("")
@@ -204,7 +206,8 @@ def render_text(rep: dict) -> str:
              f"{b['reference']['context_len']} ({mix})")
     bp = b["bpv"]
     L.append(f"honest bpv: {bp['total']:.4f} = payload {bp['payload']:.4f} + scales/zeros "
-             f"{bp['scales_zeros']:.4f} + full-precision residual {bp['residual']:.4f}")
+             f"{bp['scales_zeros']:.4f} + full-precision residual {bp['residual']:.4f}"
+             + (f" + key correction {bp['correction']:.4f}" if bp.get("correction") else ""))
     L.append("memory (KV cache, batch 1):")
     for r in rep["memory"]:
         L.append(f"  {r['context_len']:>6} tokens: {r['bpv']:.3f} bpv, {_fmt_bytes(r['bytes'])} vs fp16 "

@@ -1,9 +1,11 @@
 """Plans: dataclasses, YAML schema and validation, honest bpv accounting, baselines."""
 
 from ._schema import (
+    CORRECTED,
     KINDS,
     SCHEMA_VERSION,
     BitRule,
+    KeyBasis,
     Plan,
     Provenance,
     QuantizerSettings,
@@ -15,12 +17,14 @@ from .accounting import (BpvBreakdown, committed_length, label_runs, layout_labe
 from .baselines import BASELINES, KVTUNER_PAIRS, baseline_plan, headguard_plan, layerwise_plan, uniform_plan
 
 __all__ = [
+    "CORRECTED",
     "BASELINES",
     "KINDS",
     "KVTUNER_PAIRS",
     "SCHEMA_VERSION",
     "BitRule",
     "BpvBreakdown",
+    "KeyBasis",
     "Plan",
     "Provenance",
     "QuantizerSettings",

@@ -6,6 +6,7 @@ a default, then rules applied in order (later rules win). See README "Plan file 
 
 from __future__ import annotations
 
+import base64
 import math
 import os
 import tempfile
@@ -17,12 +18,16 @@ import yaml
 
 from .._version import __version__
 from ..errors import PlanError
-from ..kernels.qtypes import GROUP_SIZES, SUPPORTED_BITS
+from ..kernels.qtypes import FULL_PRECISION_BITS, GROUP_SIZES, SUPPORTED_BITS
 from ..models.geometry import LAYER_TYPES, Geometry
 
 SCHEMA_VERSION = 1
 KINDS = ("k", "v")
 AXES = ("channel", "token")
+CORRECTION_BITS = (2, 3, 4, 8)
+# format code of a key slot stored at ``b`` bits with the key correction: ``b + CORRECTED``
+# (``Plan.code_table``); plain bits are codes below it
+CORRECTED = 100
 DEFAULT_MODALITY = "text"
 
 
@@ -78,6 +83,10 @@ class QuantizerSettings:
     value_axis: str = "token"
     residual_length: int = 128  # newest tokens kept in full precision
     sink_length: int = 0  # first tokens of the sequence kept in full precision (attention sinks)
+    # HeadQ-style key correction (see KeyBasis): key slots marked ``correct`` also store a
+    # rank-r code of their quantization error in the plan's per-head query basis
+    key_correction_rank: int = 0  # r; 0 = off
+    key_correction_bits: int = 4  # bits of the correction code (channel axis, same token groups as the keys)
 
     def __post_init__(self):
         _choice(self.group_size, "quantizer.group_size", GROUP_SIZES)
@@ -85,20 +94,92 @@ class QuantizerSettings:
         _choice(self.value_axis, "quantizer.value_axis", AXES)
         _int(self.residual_length, "quantizer.residual_length", 0)
         _int(self.sink_length, "quantizer.sink_length", 0)
+        _int(self.key_correction_rank, "quantizer.key_correction_rank", 0)
+        _choice(self.key_correction_bits, "quantizer.key_correction_bits", CORRECTION_BITS)
+        if self.key_correction_rank and self.key_axis != "channel":
+            raise PlanError("quantizer.key_correction_rank", "needs key_axis 'channel' (the correction code shares "
+                            "the keys' token groups)", self.key_correction_rank)
 
     def axis(self, kind: str) -> str:
         return self.key_axis if kind == "k" else self.value_axis
 
 
+class KeyBasis:
+    """Per-layer, per-KV-head orthonormal bases ``U [L, H_kv, D, r]`` of the key correction.
+
+    Learned offline from calibration queries (top eigenvectors of ``E[q qᵀ]`` over the
+    post-RoPE queries a KV head serves). A key ``k`` stored at low bits as ``k̂`` also stores
+    ``ẑ ≈ Uᵀ (k - k̂)`` and is read as ``k̂ + U ẑ``: the part of the error queries can see.
+    Held as float16 (as written in the plan); part of the plan, like the bit table, not of
+    the per-token cache bytes.
+    """
+
+    def __init__(self, basis):
+        a = np.asarray(basis, dtype=np.float16)
+        if a.ndim != 4:
+            raise PlanError("key_basis.shape", "must be [num_layers, num_kv_heads, head_dim, rank]", list(a.shape))
+        if not np.isfinite(a).all():
+            raise PlanError("key_basis", "holds non-finite values", show_value=False)
+        a.setflags(write=False)
+        self.array = a
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, KeyBasis) and np.array_equal(self.array, other.array)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"KeyBasis(shape={list(self.shape)})"
+
+    def to_dict(self) -> dict:
+        data = np.ascontiguousarray(self.array, dtype="<f2").tobytes()
+        return {"dtype": "float16", "shape": list(self.shape), "base64": base64.b64encode(data).decode("ascii")}
+
+    @classmethod
+    def from_dict(cls, d) -> "KeyBasis":
+        _check_keys(d, "key_basis", ["dtype", "shape", "base64"])
+        _choice(d["dtype"], "key_basis.dtype", ("float16",))
+        shape = d["shape"]
+        if not isinstance(shape, list) or len(shape) != 4:
+            raise PlanError("key_basis.shape", "must be a list [num_layers, num_kv_heads, head_dim, rank]", shape)
+        for i, n in enumerate(shape):
+            _int(n, f"key_basis.shape[{i}]", 1)
+        if not isinstance(d["base64"], str):
+            raise PlanError("key_basis.base64", "must be a base64 string", show_value=False)
+        try:
+            raw = base64.b64decode(d["base64"].encode("ascii"), validate=True)
+        except (ValueError, UnicodeEncodeError):
+            raise PlanError("key_basis.base64", "is not valid base64", show_value=False) from None
+        n = int(np.prod(shape))
+        if len(raw) != 2 * n:
+            raise PlanError("key_basis.base64", f"decodes to {len(raw)} bytes; shape {shape} in float16 needs "
+                            f"{2 * n}", show_value=False)
+        return cls(np.frombuffer(raw, dtype="<f2").reshape(shape))
+
+
 @dataclass(frozen=True)
 class BitRule:
-    """Set ``bits`` on every slot matching all given selectors (``None`` = any)."""
+    """Set ``bits`` on every slot matching all given selectors (``None`` = any).
+
+    ``correct``: the matched key slots also store the key correction code (see
+    :class:`KeyBasis`); a later rule without it turns it off again for its slots.
+    """
 
     bits: int
     layers: tuple[int, ...] | None = None
     heads: tuple[int, ...] | None = None
     kind: str | None = None
     modality: str | None = None
+    correct: bool = False
+
+    @property
+    def code(self) -> int:
+        """Slot format code: ``bits``, plus :data:`CORRECTED` when the slot is corrected."""
+        return self.bits + (CORRECTED if self.correct else 0)
 
     def __post_init__(self):
         _choice(self.bits, "bits", SUPPORTED_BITS)
@@ -152,27 +233,40 @@ class Plan:
     provenance: Provenance = field(default_factory=Provenance)
     metrics: Mapping[str, Any] = field(default_factory=dict)
     name: str | None = None
+    key_basis: KeyBasis | None = None  # required when quantizer.key_correction_rank > 0
 
     def __post_init__(self):
         object.__setattr__(self, "modalities", tuple(self.modalities))
         object.__setattr__(self, "rules", tuple(self.rules))
+        if self.key_basis is not None and not isinstance(self.key_basis, KeyBasis):
+            object.__setattr__(self, "key_basis", KeyBasis(self.key_basis))
         _validate_semantics(self)
 
     # ------------------------------------------------------------------ resolution
-    def table(self) -> np.ndarray:
-        """Bits per slot as ``int [num_layers, num_kv_heads, 2 (k, v), n_modalities]``."""
+    def code_table(self) -> np.ndarray:
+        """Format code per slot ``int [num_layers, num_kv_heads, 2 (k, v), n_modalities]``: the
+        bits, plus :data:`CORRECTED` for key slots that store the key correction."""
         g = self.geometry
         t = np.full((g.num_layers, g.num_kv_heads, 2, len(self.modalities)), self.default_bits, dtype=np.int64)
         for r in self.rules:
-            t[_rule_index(r, self.modalities, t.shape)] = r.bits
+            t[_rule_index(r, self.modalities, t.shape)] = r.code
         return t
+
+    def table(self) -> np.ndarray:
+        """Bits per slot as ``int [num_layers, num_kv_heads, 2 (k, v), n_modalities]``."""
+        return self.code_table() % CORRECTED
+
+    def correction_table(self) -> np.ndarray:
+        """``bool [num_layers, num_kv_heads, 2, n_modalities]``: slots storing the key correction."""
+        return self.code_table() >= CORRECTED
 
     def slot_bits(self, layer: int, head: int, kind: str, modality: str) -> int:
         return int(self.table()[layer, head, KINDS.index(kind), self.modalities.index(modality)])
 
     @classmethod
     def from_table(cls, table: np.ndarray, geometry: Geometry, modalities=(DEFAULT_MODALITY,), **kwargs) -> "Plan":
-        """Plan with exactly these per-slot bits, written compactly as a default plus rules."""
+        """Plan with exactly these per-slot bits (or format codes, see :meth:`code_table`),
+        written compactly as a default plus rules."""
         modalities = tuple(modalities)
         table = np.asarray(table, dtype=np.int64)
         expected = (geometry.num_layers, geometry.num_kv_heads, 2, len(modalities))
@@ -182,7 +276,7 @@ class Plan:
         return cls(geometry=geometry, modalities=modalities, default_bits=default, rules=tuple(rules), **kwargs)
 
     def with_table(self, table: np.ndarray, **changes) -> "Plan":
-        """Copy with new per-slot bits (and any other field changes)."""
+        """Copy with new per-slot bits or format codes (and any other field changes)."""
         default, rules = _compress(np.asarray(table, dtype=np.int64), self.modalities)
         return replace(self, default_bits=default, rules=tuple(rules), **changes)
 
@@ -221,7 +315,7 @@ class Plan:
         g = self.geometry
         lt = g.layer_types[0] if len(set(g.layer_types)) == 1 else list(g.layer_types)
         if flat:
-            rules = [_rule_to_dict(r) for r in _flat_rules(self.table(), self.modalities)]
+            rules = [_rule_to_dict(r) for r in _flat_rules(self.code_table(), self.modalities)]
             default = int(self.default_bits)
         else:
             rules = [_rule_to_dict(r) for r in self.rules]
@@ -245,6 +339,9 @@ class Plan:
                 "value_axis": self.quantizer.value_axis,
                 "residual_length": self.quantizer.residual_length,
                 "sink_length": self.quantizer.sink_length,
+                **({"key_correction_rank": self.quantizer.key_correction_rank,
+                    "key_correction_bits": self.quantizer.key_correction_bits}
+                   if self.quantizer.key_correction_rank else {}),
             },
             "bits": {"default": default, "rules": rules},
             "budget": {
@@ -266,6 +363,8 @@ class Plan:
         }
         if self.name is None:
             del d["name"]
+        if self.key_basis is not None:
+            d["key_basis"] = self.key_basis.to_dict()
         return d
 
     def to_yaml(self, path: str | os.PathLike | None = None, flat: bool = False) -> str:
@@ -369,6 +468,8 @@ def _rule_to_dict(r: BitRule) -> dict:
     if r.modality is not None:
         d["modality"] = r.modality
     d["bits"] = r.bits
+    if r.correct:
+        d["correct"] = True
     return d
 
 
@@ -415,6 +516,14 @@ def _validate_semantics(p: Plan) -> None:
                 raise PlanError(f"{path}.{name}", "must not be empty (omit the key to match all)", [])
             for j, idx in enumerate(sel):
                 _int(idx, f"{path}.{name}[{j}]", 0, n - 1)
+        if r.correct:
+            if not p.quantizer.key_correction_rank:
+                raise PlanError(f"{path}.correct", "needs quantizer.key_correction_rank > 0 (and key_basis)", True)
+            if r.kind != "k":
+                raise PlanError(f"{path}.correct", "applies to keys only: the rule must say kind: k", True)
+            if r.bits == FULL_PRECISION_BITS:
+                raise PlanError(f"{path}.correct", "full-precision slots have no quantization error to correct",
+                                True)
         if r.modality is not None and r.modality not in p.modalities:
             raise PlanError(f"{path}.modality", f"is not one of the plan's modalities {list(p.modalities)}",
                             r.modality)
@@ -432,11 +541,23 @@ def _validate_semantics(p: Plan) -> None:
     if abs(sum(f for _, f in mix) - 1.0) > 1e-6:
         raise PlanError("budget.reference.modality_mix", "fractions must sum to 1", dict(mix))
     _check_metrics(p.metrics, "metrics")
+    rank = p.quantizer.key_correction_rank
+    if rank and p.key_basis is None:
+        raise PlanError("key_basis", f"missing: quantizer.key_correction_rank is {rank}, so the plan must carry the "
+                        "per-head query bases", show_value=False)
+    if p.key_basis is not None:
+        want = (g.num_layers, g.num_kv_heads, g.head_dim, rank)
+        if not rank:
+            raise PlanError("key_basis", "given but quantizer.key_correction_rank is 0 (correction off)",
+                            show_value=False)
+        if p.key_basis.shape != want:
+            raise PlanError("key_basis.shape", f"must be [num_layers, num_kv_heads, head_dim, key_correction_rank] = "
+                            f"{list(want)}", list(p.key_basis.shape))
 
 
 def _plan_from_dict(d) -> Plan:
     _check_keys(d, "", ["schema_version", "model", "bits"],
-                ["name", "modalities", "quantizer", "budget", "provenance", "metrics"])
+                ["name", "modalities", "quantizer", "budget", "provenance", "metrics", "key_basis"])
     ver = d["schema_version"]
     if not _is_int(ver):
         raise PlanError("schema_version", "must be an integer", ver)
@@ -479,7 +600,7 @@ def _plan_from_dict(d) -> Plan:
 
     q = d.get("quantizer", {})
     _check_keys(q, "quantizer", [], ["group_size", "key_axis", "value_axis", "residual_length",
-                                         "sink_length"])
+                                         "sink_length", "key_correction_rank", "key_correction_bits"])
     quantizer = QuantizerSettings(**q)
 
     b = d["bits"]
@@ -491,7 +612,9 @@ def _plan_from_dict(d) -> Plan:
     rules = []
     for i, r in enumerate(raw_rules):
         path = f"bits.rules[{i}]"
-        _check_keys(r, path, ["bits"], ["layers", "heads", "kind", "modality"])
+        _check_keys(r, path, ["bits"], ["layers", "heads", "kind", "modality", "correct"])
+        if "correct" in r and not isinstance(r["correct"], bool):
+            raise PlanError(f"{path}.correct", "must be true or false", r["correct"])
         _choice(r["bits"], f"{path}.bits", SUPPORTED_BITS)
         for sel in ("layers", "heads"):
             if sel in r:
@@ -515,6 +638,7 @@ def _plan_from_dict(d) -> Plan:
             heads=None if hed is None else ([hed] if _is_int(hed) else hed),
             kind=r.get("kind"),
             modality=r.get("modality"),
+            correct=r.get("correct", False),
         ))
 
     budget = d.get("budget", {})
@@ -552,10 +676,11 @@ def _plan_from_dict(d) -> Plan:
 
     plan = Plan(geometry=geometry, modalities=tuple(modalities), quantizer=quantizer, default_bits=default,
                 rules=tuple(rules), target_bpv=target, reference=reference, provenance=provenance,
-                metrics=metrics, name=name)
+                metrics=metrics, name=name,
+                key_basis=KeyBasis.from_dict(d["key_basis"]) if "key_basis" in d else None)
     stated = budget.get("bpv")
     if stated is not None:
-        _check_keys(stated, "budget.bpv", [], ["total", "payload", "scales_zeros", "residual"])
+        _check_keys(stated, "budget.bpv", [], ["total", "payload", "scales_zeros", "residual", "correction"])
         actual = plan.bpv().as_dict()
         for k, v in stated.items():
             if not _is_num(v):
@@ -577,7 +702,8 @@ _AXIS = {"layer": 0, "head": 1, "kind": 2, "modality": 3}
 def _compress(table: np.ndarray, modalities) -> tuple[int, list[BitRule]]:
     """Default + ordered rules reproducing ``table`` exactly (greedy, coarse to fine)."""
     vals, counts = np.unique(table, return_counts=True)
-    default = int(vals[np.argmax(counts)])
+    plain = vals < CORRECTED  # the default is plain bits; corrected slots always come from rules
+    default = int(vals[plain][np.argmax(counts[plain])]) if plain.any() else int(vals[0]) % CORRECTED
     current = np.full_like(table, default)
     rules: list[BitRule] = []
     for level in _LEVELS:
@@ -594,13 +720,17 @@ def _compress(table: np.ndarray, modalities) -> tuple[int, list[BitRule]]:
             if np.array_equal(tgt, cur):
                 continue
             v, c = np.unique(tgt, return_counts=True)
+            if "kind" not in level or KINDS[idx[level.index("kind")]] != "k":
+                v, c = v[v < CORRECTED], c[v < CORRECTED]  # a correcting rule must select keys alone
+                if not v.size:
+                    continue
             mode = int(v[np.argmax(c)])
             gain = int(((tgt == mode) & (cur != mode)).sum()) - int(((cur == tgt) & (tgt != mode)).sum())
             if gain > 0 or (len(keep) == 4):
                 current[sl] = mode
                 sel = dict(zip(level, idx))
-                rules.append(BitRule(
-                    bits=mode,
+                rules.append(_rule_of_code(
+                    mode,
                     layers=(int(sel["layer"]),) if "layer" in sel else None,
                     heads=(int(sel["head"]),) if "head" in sel else None,
                     kind=KINDS[sel["kind"]] if "kind" in sel else None,
@@ -615,7 +745,8 @@ def _merge_adjacent(rules: list[BitRule]) -> list[BitRule]:
     out: list[BitRule] = []
     for r in rules:
         prev = out[-1] if out else None
-        if prev is not None and prev.bits == r.bits and prev.kind == r.kind and prev.modality == r.modality:
+        if (prev is not None and prev.bits == r.bits and prev.correct == r.correct and prev.kind == r.kind
+                and prev.modality == r.modality):
             if prev.heads == r.heads and prev.layers is not None and r.layers is not None:
                 out[-1] = replace(prev, layers=tuple(sorted(set(prev.layers) | set(r.layers))))
                 continue
@@ -626,8 +757,12 @@ def _merge_adjacent(rules: list[BitRule]) -> list[BitRule]:
     return out
 
 
+def _rule_of_code(code: int, **selectors) -> BitRule:
+    return BitRule(bits=code % CORRECTED, correct=code >= CORRECTED, **selectors)
+
+
 def _flat_rules(table: np.ndarray, modalities) -> list[BitRule]:
     return [
-        BitRule(bits=int(table[l, h, k, m]), layers=(l,), heads=(h,), kind=KINDS[k], modality=modalities[m])
+        _rule_of_code(int(table[l, h, k, m]), layers=(l,), heads=(h,), kind=KINDS[k], modality=modalities[m])
         for l, h, k, m in np.ndindex(*table.shape)
     ]

@@ -12,6 +12,11 @@ length; the rest stay in the residual. ``C`` is independent of how the tokens ar
 Attention sinks: the first ``S = quantizer.sink_length`` positions of the sequence are
 stored at full precision in every slot when they are committed (:func:`stored_runs`
 splits a run at ``S``); they count as 16-bit payload, like a 16-bit slot.
+
+Key correction (``quantizer.key_correction_rank = r > 0``): a key run of a corrected slot
+also stores its correction code, ``r`` values per token quantized like channel-axis keys
+(``key_correction_bits``, the keys' token groups, fp16 scale and zero per group and
+component): counted as ``correction``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..kernels.qtypes import FULL_PRECISION_BITS, SCALE_BYTES, ZERO_BYTES, channel_group_size, packed_row_bytes
+from ._schema import CORRECTED
 
 
 def committed_length(total: int, residual_length: int, group_size: int) -> int:
@@ -95,10 +101,11 @@ class BpvBreakdown:
     payload: float  # packed codes and 16-bit slots
     scales_zeros: float
     residual: float  # full-precision newest tokens
+    correction: float = 0.0  # key correction codes with their scales and zero-points
 
     def as_dict(self) -> dict[str, float]:
         return {"total": self.total, "payload": self.payload, "scales_zeros": self.scales_zeros,
-                "residual": self.residual}
+                "residual": self.residual, "correction": self.correction}
 
 
 def run_bytes(bits: int, axis: str, group_size: int, head_dim: int, start: int, length: int,
@@ -115,16 +122,25 @@ def run_bytes(bits: int, axis: str, group_size: int, head_dim: int, start: int, 
     return payload, n_scales * (SCALE_BYTES + ZERO_BYTES)
 
 
+def correction_bytes(q, start: int, length: int) -> int:
+    """Bytes of the key correction code one corrected KV head stores for a committed run."""
+    payload, scales = run_bytes(q.key_correction_bits, "channel", q.group_size, q.key_correction_rank, start,
+                                length, 2)
+    return payload + scales
+
+
 def plan_bytes(plan, geometry, labels: Sequence[str], batch_size: int = 1, fp_bytes: int = 2) -> dict[str, int]:
-    """Bytes the runtime stores for ``plan`` after writing tokens labelled ``labels``."""
+    """Bytes the runtime stores for ``plan`` after writing tokens labelled ``labels``: a dict
+    ``payload``, ``scales_zeros``, ``correction``, ``residual``."""
     q = plan.quantizer
-    table = plan.table()
+    codes = plan.code_table()
+    table, corrected = codes % CORRECTED, codes >= CORRECTED
     T = len(labels)
     C = committed_length(T, q.residual_length, q.group_size)
     unknown = sorted({lab for lab in labels[:C]} - set(plan.modalities))
     if unknown:
         raise ValueError(f"labels {unknown} are not modalities of the plan {list(plan.modalities)}")
-    payload = scales = 0
+    payload = scales = correction = 0
     runs = stored_runs(labels, 0, C, q.sink_length)
     for layer in range(geometry.num_layers):
         for head in range(geometry.num_kv_heads):
@@ -135,8 +151,11 @@ def plan_bytes(plan, geometry, labels: Sequence[str], batch_size: int = 1, fp_by
                     p, s = run_bytes(bits, axis, q.group_size, geometry.head_dim, start, length, fp_bytes)
                     payload += p
                     scales += s
+                    if not sink and corrected[layer, head, k, plan.modalities.index(lab)]:
+                        correction += correction_bytes(q, start, length)
     residual = (T - C) * geometry.head_dim * fp_bytes * geometry.num_kv_heads * 2 * geometry.num_layers
-    return {"payload": payload * batch_size, "scales_zeros": scales * batch_size, "residual": residual * batch_size}
+    return {"payload": payload * batch_size, "scales_zeros": scales * batch_size,
+            "correction": correction * batch_size, "residual": residual * batch_size}
 
 
 def plan_bpv(plan, geometry, context_len: int, modality_mix, full_precision_bits: int = 16) -> BpvBreakdown:
@@ -145,4 +164,4 @@ def plan_bpv(plan, geometry, context_len: int, modality_mix, full_precision_bits
     parts = plan_bytes(plan, geometry, labels, 1, full_precision_bits // 8)
     n_values = geometry.num_layers * geometry.num_kv_heads * 2 * context_len * geometry.head_dim
     return BpvBreakdown(8 * sum(parts.values()) / n_values,
-                        *(8 * parts[k] / n_values for k in ("payload", "scales_zeros", "residual")))
+                        *(8 * parts[k] / n_values for k in ("payload", "scales_zeros", "residual", "correction")))

@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..errors import CacheError, PlanError
 from ..models.geometry import Geometry
 from ..kernels import FULL_PRECISION_BITS
-from ..plans import KINDS, Plan, committed_length, stored_runs
+from ..plans import CORRECTED, KINDS, Plan, committed_length, stored_runs
 from .fused import MAX_FUSED_QUERY, mark_pending
 from .storage import PackedBlock, Segment
 
@@ -41,8 +41,8 @@ class KVPlanLayer(CacheLayerMixin):
         self.owner = owner
         self.layer_idx = layer_idx
         plan = owner.plan
-        table = plan.table()[layer_idx]  # [H_kv, 2, M]
-        # kind -> modality -> [(bits, heads)] head groups sharing a quantizer setting
+        table = plan.code_table()[layer_idx]  # [H_kv, 2, M] format codes (bits, + CORRECTED if corrected)
+        # kind -> modality -> [(code, heads)] head groups sharing a quantizer setting
         self.head_groups: dict[str, dict[str, list[tuple[int, tuple[int, ...]]]]] = {}
         for k, kind in enumerate(KINDS):
             self.head_groups[kind] = {}
@@ -55,6 +55,7 @@ class KVPlanLayer(CacheLayerMixin):
         self.residual: dict[str, torch.Tensor | None] = {"k": None, "v": None}  # [B, H_kv, T_res, D]
         self.residual_labels: list[str] = []
         self.committed = 0
+        self.key_basis: torch.Tensor | None = None  # [H_kv, D, r] fp32 when the plan corrects keys
 
     # ------------------------------------------------------------------ Cache layer API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -68,6 +69,10 @@ class KVPlanLayer(CacheLayerMixin):
                 f"{g.num_kv_heads} KV heads of head_dim {g.head_dim}"
             )
         self.residual = {"k": key_states[:, :, :0], "v": value_states[:, :, :0]}
+        basis = self.owner.plan.key_basis
+        # key correction basis of this layer: fp32 [H_kv, D, r] on the cache's device
+        self.key_basis = (None if basis is None else
+                          torch.from_numpy(basis.array[self.layer_idx].astype("float32")).to(self.device))
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -202,12 +207,15 @@ class KVPlanLayer(CacheLayerMixin):
                 # attention-sink positions: every head at full precision
                 groups = [(FULL_PRECISION_BITS, all_heads)] if sink else self.head_groups[kind][label]
                 blocks = []
-                for bits, heads in groups:
+                for code, heads in groups:
                     xh = x if len(heads) == x.shape[1] else x[:, list(heads)]
-                    blocks.append(PackedBlock.encode(xh, heads, bits, q.axis(kind), q.group_size, start))
+                    bits = code % CORRECTED
+                    basis = self.key_basis[list(heads)] if code >= CORRECTED else None
+                    blocks.append(PackedBlock.encode(xh, heads, bits, q.axis(kind), q.group_size, start, basis,
+                                                     q.key_correction_bits))
                 segs = self.segments[kind]
                 if (segs and segs[-1].modality == label and segs[-1].start + segs[-1].length == start
-                        and [(b.bits, b.heads) for b in segs[-1].blocks] == [(b.bits, b.heads) for b in blocks]):
+                        and [b.layout() for b in segs[-1].blocks] == [b.layout() for b in blocks]):
                     for old, new in zip(segs[-1].blocks, blocks):
                         old.append(new)
                     segs[-1].length += length
@@ -220,7 +228,7 @@ class KVPlanLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ introspection
     def nbytes_parts(self) -> dict[str, int]:
-        parts = {"payload": 0, "scales_zeros": 0, "residual": 0}
+        parts = {"payload": 0, "scales_zeros": 0, "correction": 0, "residual": 0}
         if not self.is_initialized:
             return parts
         for kind in KINDS:
@@ -301,8 +309,9 @@ class KVPlanCache(Cache):
 
     # ------------------------------------------------------------------ memory
     def nbytes_breakdown(self) -> dict[str, int]:
-        """Bytes held now: ``payload`` (codes, 16-bit slots), ``scales_zeros``, ``residual``, ``total``."""
-        parts = {"payload": 0, "scales_zeros": 0, "residual": 0}
+        """Bytes held now: ``payload`` (codes, 16-bit slots), ``scales_zeros``, ``correction`` (key
+        correction codes), ``residual``, ``total``."""
+        parts = {"payload": 0, "scales_zeros": 0, "correction": 0, "residual": 0}
         for layer in self.layers:
             for k, v in layer.nbytes_parts().items():
                 parts[k] += v

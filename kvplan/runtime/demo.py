@@ -42,7 +42,8 @@ def generate_demo(plan="int4", model="smollm2-135m", prompt=None, max_new_tokens
           f"cached tokens: {cache.get_seq_length()}")
     print(f"reply: {reply.strip()}")
     print(f"kvplan cache: {parts['total']:,} bytes (codes {parts['payload']:,}, scales/zeros "
-          f"{parts['scales_zeros']:,}, full-precision residual {parts['residual']:,}) = {cache.bpv():.3f} bits/value")
+          f"{parts['scales_zeros']:,}, key correction {parts['correction']:,}, full-precision residual "
+          f"{parts['residual']:,}) = {cache.bpv():.3f} bits/value")
     print(f"FP16 cache:   {fp16_bytes:,} bytes = 16.000 bits/value  ->  kvplan uses "
           f"{parts['total'] / fp16_bytes:.1%} of FP16 ({time.perf_counter() - t0:.1f} s)")
     return {"reply": reply, "bytes": parts, "fp16_bytes": fp16_bytes, "bpv": cache.bpv()}

@@ -4,6 +4,10 @@ One cache layer keeps, for Keys and for Values separately, a list of :class:`Seg
 (a run of consecutive committed tokens of one modality) followed by a full-precision
 residual. A segment splits the layer's KV heads into :class:`PackedBlock` s, one per
 distinct quantizer setting, so heads of one layer can have different bits.
+
+Key correction (HeadQ-style): a quantized key block may carry ``correction``, a nested
+channel-axis block holding ``ẑ ≈ Uᵀ (k - k̂)`` per token ``[B, h, T, r]`` in the same token
+groups, and ``basis`` ``U [h, D, r]`` (from the plan). Reads return ``k̂ + U ẑ``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ class PackedBlock:
     fp16 ``scale`` / ``zero`` laid out as in :mod:`kvplan.kernels.reference`.
     Full precision (``bits == 16``): ``codes`` is the tensor ``[B, h, T, D]`` itself
     (in the cache's storage dtype); ``scale`` and ``zero`` are ``None``.
+    With a key correction, ``correction`` is the code block ``[B, h, T, r]`` and ``basis``
+    the fp32 ``[h, D, r]`` it is read through (see the module docstring).
     """
 
     heads: tuple[int, ...]  # physical KV head indices of this layer, ascending
@@ -38,39 +44,68 @@ class PackedBlock:
     codes: torch.Tensor
     scale: torch.Tensor | None = None
     zero: torch.Tensor | None = None
+    correction: "PackedBlock | None" = None  # key correction code [B, h, T, r]
+    basis: torch.Tensor | None = None  # fp32 [h, D, r], read-only (the plan's, not cache bytes)
 
     @classmethod
-    def encode(cls, x: torch.Tensor, heads, bits, axis, group_size, start: int) -> "PackedBlock":
-        """Quantize ``x [B, h, T, D]`` (tokens starting at absolute position ``start``)."""
+    def encode(cls, x: torch.Tensor, heads, bits, axis, group_size, start: int, basis: torch.Tensor | None = None,
+               correction_bits: int = 4) -> "PackedBlock":
+        """Quantize ``x [B, h, T, D]`` (tokens starting at absolute position ``start``).
+
+        With ``basis`` (``[h, D, r]``, channel axis only) the block also stores the key
+        correction: ``Uᵀ (x - x̂)`` quantized at ``correction_bits`` in the same token groups.
+        """
         T, D = x.shape[-2], x.shape[-1]
         offset = start % group_size if axis == "channel" else 0
         if bits == FULL_PRECISION_BITS:
             return cls(tuple(heads), bits, axis, group_size, 0, T, D, x.contiguous())
         codes, scale, zero = _quantize(x, bits, group_size, axis, offset)
-        return cls(tuple(heads), bits, axis, group_size, offset, T, D, codes, scale, zero)
+        block = cls(tuple(heads), bits, axis, group_size, offset, T, D, codes, scale, zero)
+        if basis is not None:
+            if axis != "channel":
+                raise ValueError("the key correction needs channel-axis blocks")
+            err = x.float() - block._decode_base(torch.float32)  # [B, h, T, D]
+            z = torch.matmul(err, basis)  # [B, h, T, r]
+            block.correction = cls.encode(z, heads, correction_bits, "channel", group_size, start)
+            block.basis = basis
+        return block
+
+    def _decode_base(self, dtype: torch.dtype) -> torch.Tensor:
+        return _dequantize(self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
+                           self.head_dim, self.start_offset, dtype)
+
+    def _correction_term(self) -> torch.Tensor:
+        """``U ẑ`` per token: fp32 ``[B, h, T, D]``."""
+        return torch.matmul(self.correction.decode(torch.float32), self.basis.transpose(-1, -2))
 
     def decode(self, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized tokens ``[B, h, T, D]`` in ``dtype``."""
         if self.bits == FULL_PRECISION_BITS:
             return self.codes.to(dtype)
-        return _dequantize(
-            self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
-            self.head_dim, self.start_offset, dtype,
-        )
+        if self.correction is None:
+            return self._decode_base(dtype)
+        return (self._decode_base(torch.float32) + self._correction_term()).to(dtype)
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
         """Write the dequantized tokens into ``out [B, h, T, D]`` (a view into a read buffer)."""
         if self.bits == FULL_PRECISION_BITS:
             return out.copy_(self.codes)
-        return _dequantize_into(out, self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
-                                self.head_dim, self.start_offset)
+        if self.correction is not None and out.dtype != torch.float32:
+            return out.copy_(self.decode(torch.float32))  # add the correction before rounding to out's dtype
+        _dequantize_into(out, self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
+                         self.head_dim, self.start_offset)
+        if self.correction is not None:
+            out.add_(self._correction_term())
+        return out
 
     def head_range(self, i0: int, i1: int) -> "PackedBlock":
         """This block's heads ``i0 .. i1 - 1`` (positions in ``heads``) alone: views, no copy."""
         def part(t):
             return None if t is None else t[:, i0:i1]
         return replace(self, heads=self.heads[i0:i1], codes=part(self.codes), scale=part(self.scale),
-                       zero=part(self.zero))
+                       zero=part(self.zero),
+                       correction=None if self.correction is None else self.correction.head_range(i0, i1),
+                       basis=None if self.basis is None else self.basis[i0:i1])
 
     def head_runs(self):
         """``(h0, h1, block)`` for each maximal run of consecutive physical heads ``h0 .. h1 - 1``."""
@@ -94,6 +129,9 @@ class PackedBlock:
         codes = self.codes[:, :, a:b]
         if self.bits == FULL_PRECISION_BITS:
             return replace(self, codes=codes, length=b - a)
+        if self.correction is not None:
+            return replace(replace(self, correction=None).token_range(a, b),
+                           correction=self.correction.token_range(a, b), basis=self.basis)
         if self.axis == "token":
             return replace(self, codes=codes, scale=self.scale[:, :, a:b], zero=self.zero[:, :, a:b], length=b - a)
         first = self.start_offset + a
@@ -124,19 +162,29 @@ class PackedBlock:
         """
         assert other.heads == self.heads and other.bits == self.bits and other.axis == self.axis
         assert self.axis != "channel" or other.start_offset == 0
+        assert (self.correction is None) == (other.correction is None)
         self.codes = torch.cat([self.codes, other.codes], dim=2)
         if self.scale is not None:
             self.scale = torch.cat([self.scale, other.scale], dim=2)
             self.zero = torch.cat([self.zero, other.zero], dim=2)
+        if self.correction is not None:
+            self.correction.append(other.correction)
         self.length += other.length
 
+    def layout(self) -> tuple:
+        """What must match for :meth:`append`: heads, bits, and whether keys carry a correction."""
+        return self.heads, self.bits, self.correction is not None
+
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.codes, self.scale, self.zero) if t is not None]
+        own = [t for t in (self.codes, self.scale, self.zero) if t is not None]
+        return own + (self.correction.tensors() if self.correction is not None else [])
 
     def nbytes_parts(self) -> dict[str, int]:
-        """Bytes actually held, split into ``payload`` (codes or fp tensor) and ``scales_zeros``."""
+        """Bytes actually held: ``payload`` (codes or fp tensor), ``scales_zeros``, ``correction``
+        (the key correction code with its scales and zero-points)."""
         sz = 0 if self.scale is None else self.scale.nbytes + self.zero.nbytes
-        return {"payload": self.codes.nbytes, "scales_zeros": sz}
+        corr = 0 if self.correction is None else sum(t.nbytes for t in self.correction.tensors())
+        return {"payload": self.codes.nbytes, "scales_zeros": sz, "correction": corr}
 
     def map_tensors(self, fn) -> None:
         """Apply ``fn`` to every stored tensor (batch dim first), e.g. for beam reordering."""
@@ -144,6 +192,8 @@ class PackedBlock:
         if self.scale is not None:
             self.scale = fn(self.scale)
             self.zero = fn(self.zero)
+        if self.correction is not None:
+            self.correction.map_tensors(fn)
 
 
 @dataclass

@@ -7,11 +7,13 @@
 from ._search import Scorer, SearchResult, pareto_front, search, sidecar_paths, write_history
 from .budget import BpvModel, BudgetError, group_damage, knapsack_seed, parse_budget, quantization_damage, repair
 from .sensitivity import profile_plans, profile_units, run_profile, slot_sensitivity
-from .space import DEFAULT_BITS, GRANULARITIES, Group, SearchSpace
+from .key_basis import query_basis
+from .space import DEFAULT_BITS, DEFAULT_KEY_CORRECTION_RANK, GRANULARITIES, Group, SearchSpace
 from .storage import fail_orphaned_trials, make_storage
 
 __all__ = [
     "DEFAULT_BITS",
+    "DEFAULT_KEY_CORRECTION_RANK",
     "GRANULARITIES",
     "BpvModel",
     "BudgetError",
@@ -27,6 +29,7 @@ __all__ = [
     "parse_budget",
     "profile_plans",
     "profile_units",
+    "query_basis",
     "quantization_damage",
     "repair",
     "run_profile",

@@ -70,8 +70,10 @@ from .budget import (
     parse_budget,
     repair,
 )
-from .sensitivity import DEFAULT_HEAD_UNITS, run_profile, slot_sensitivity
-from .space import (DEFAULT_BITS, DEFAULT_GROUP_SIZES, DEFAULT_KEY_AXES, DEFAULT_RESIDUAL_LENGTHS,
+from .key_basis import query_basis
+from .sensitivity import DEFAULT_HEAD_UNITS, correction_factor, run_profile, slot_sensitivity
+from .space import (DEFAULT_BITS, DEFAULT_GROUP_SIZES, DEFAULT_KEY_AXES, DEFAULT_KEY_CORRECTION_RANK,
+                    DEFAULT_RESIDUAL_LENGTHS,
                     DEFAULT_SINK_LENGTHS, SearchSpace)
 from .storage import fail_orphaned_trials, is_persistent, make_storage, owner_attrs
 
@@ -149,7 +151,8 @@ def _default_scorers(model, seed: int):
 
 
 def _key(levels, q) -> tuple:
-    return (q.group_size, q.key_axis, q.value_axis, q.residual_length, tuple(int(x) for x in levels))
+    return (q.group_size, q.key_axis, q.value_axis, q.residual_length, q.sink_length,
+            tuple(int(x) for x in levels))
 
 
 # ----------------------------------------------------------------------------- the search
@@ -173,7 +176,7 @@ class _Searcher:
         self.dists = space.distributions()
         self.profile = profile
         self.sens = slot_sensitivity(space, profile)
-        self.damage = group_damage(space, self.sens)
+        self.damage = group_damage(space, self.sens, correction_factor(profile))
         self.features = PlanFeatures(space.shape, space.modalities, with_prior=profile is not None)
         self.n_evals = 0
         self.bar = None
@@ -482,8 +485,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            scorer: Scorer | None = None, heldout_scorer: Scorer | None = None, reference: Reference | None = None,
            bits: Sequence[int] = DEFAULT_BITS, group_sizes: Sequence[int] = DEFAULT_GROUP_SIZES,
            residual_lengths: Sequence[int] = DEFAULT_RESIDUAL_LENGTHS, key_axes: Sequence[str] = DEFAULT_KEY_AXES,
-           sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS,
-           pareto: bool = False, profile: bool | Mapping[str, float] = True,
+           sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS, key_correction_rank: int = DEFAULT_KEY_CORRECTION_RANK,
+           key_correction_bits: int = 4, pareto: bool = False, profile: bool | Mapping[str, float] = True,
            profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
            n_candidates: int = 16, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
            worker: int | None = None, progress: bool = True) -> SearchResult:
@@ -499,6 +502,11 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     measured before on the same scorer (a name -> KL mapping, as in ``result.profile``).
     ``profile_head_units``: how many of the most damaging (layer, K/V) units the profile also
     measures head by head (slot granularity only; 0 turns the per-head stage off).
+    ``key_correction_rank``: ``r > 0`` lets key slots at the lowest bits also store a rank-``r``
+    correction code (``key_correction_bits`` bits) in per-head query bases learned from the
+    scorer's calibration samples (HeadQ-style; needs a scorer with ``model`` and
+    ``calibration_sequences()``, as the built-in one has); the search decides which key slots
+    use it, and the profile measures what it is worth.
 
     Returns a :class:`SearchResult`; ``result.plan`` is the exported plan.
     """
@@ -519,8 +527,15 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     modalities = tuple(getattr(scorer, "modalities", None) or ("text",))
     if reference is None:
         reference = getattr(scorer, "reference", None) or Reference()
+    key_basis = None
+    if key_correction_rank:
+        if not (hasattr(scorer, "model") and hasattr(scorer, "calibration_sequences")):
+            raise KVPlanError("key_correction_rank > 0 needs a scorer with .model and .calibration_sequences() to "
+                              "learn the query bases from (the built-in harness scorer has both); pass "
+                              "key_correction_rank=0 to search without the key correction")
+        key_basis = query_basis(scorer.model, scorer.calibration_sequences(), key_correction_rank)
     space = SearchSpace(geometry, modalities, granularity, bits, group_sizes, residual_lengths, key_axes,
-                        sink_lengths=sink_lengths)
+                        sink_lengths=sink_lengths, key_basis=key_basis, key_correction_bits=key_correction_bits)
     bmodel = BpvModel(space, reference)
     for b in budgets:
         bmodel.check_budget(b)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import KVPlanError
-from ..kernels.qtypes import FULL_PRECISION_BITS, SUPPORTED_BITS
-from ..plans import QuantizerSettings, Reference, committed_length, layout_labels, stored_runs
-from ..plans.accounting import run_bytes
+from ..kernels.qtypes import FULL_PRECISION_BITS
+from ..plans import CORRECTED, QuantizerSettings, Reference, committed_length, layout_labels, stored_runs
+from ..plans.accounting import correction_bytes, run_bytes
 from .space import Q_FIELDS, SearchSpace
 
 EPS = 1e-9
@@ -53,11 +53,18 @@ def parse_budget(budget) -> float:
     return value
 
 
-def quantization_damage(bits, bmin: int) -> np.ndarray:
-    """Relative damage prior of storing at ``bits`` vs ``bmin``: squared step size ratio
-    ``((2^bmin - 1) / (2^bits - 1))^2``, and 0 at full precision (16)."""
-    b = np.asarray(bits, dtype=np.float64)
-    out = ((2.0 ** bmin - 1) / (2.0 ** b - 1)) ** 2
+# damage of a corrected key slot relative to the same slot uncorrected, when the profile did
+# not measure it (it does when the search uses the key correction)
+DEFAULT_CORRECTION_FACTOR = 0.4
+
+
+def quantization_damage(codes, bmin: int, correction_factor: float = DEFAULT_CORRECTION_FACTOR) -> np.ndarray:
+    """Relative damage prior of storing at ``codes`` (bits, or bits + ``CORRECTED``) vs ``bmin``
+    bits: squared step size ratio ``((2^bmin - 1) / (2^bits - 1))^2``, times ``correction_factor``
+    for corrected key slots, and 0 at full precision (16)."""
+    c = np.asarray(codes, dtype=np.int64)
+    b = (c % CORRECTED).astype(np.float64)
+    out = ((2.0 ** bmin - 1) / (2.0 ** b - 1)) ** 2 * np.where(c >= CORRECTED, correction_factor, 1.0)
     return np.where(b >= FULL_PRECISION_BITS, 0.0, out)
 
 
@@ -83,24 +90,27 @@ class BpvModel:
             self._terms[q] = self._build(q)
 
     def slot_costs(self, q: QuantizerSettings) -> np.ndarray:
-        """bpv contributed by each slot at each supported bit width: float ``[n_slots, len(SUPPORTED_BITS)]``."""
+        """bpv contributed by each slot at each format code of the space (``space.codes``):
+        float ``[n_slots, len(space.codes)]``."""
         g = self.space.geometry
         fp_bytes = self.reference.full_precision_bits // 8
         T = len(self.labels)
         C = committed_length(T, q.residual_length, q.group_size)
         runs = stored_runs(self.labels, 0, C, q.sink_length)
-        per = np.zeros((2, len(self.space.modalities), len(SUPPORTED_BITS)))
+        codes = self.space.codes
+        per = np.zeros((2, len(self.space.modalities), len(codes)))
         for k, kind in enumerate(("k", "v")):
             for m, mod in enumerate(self.space.modalities):
-                for bi, bits in enumerate(SUPPORTED_BITS):
+                for ci, code in enumerate(codes):
+                    bits, corrected = code % CORRECTED, code >= CORRECTED
                     tot = 0
                     for lab, start, length, sink in runs:
                         if lab == mod and not sink:  # sink positions are a constant (see _build)
                             p, s = run_bytes(bits, q.axis(kind), q.group_size, g.head_dim, start, length, fp_bytes)
-                            tot += p + s
-                    per[k, m, bi] = 8.0 * tot / self.n_values
+                            tot += p + s + (correction_bytes(q, start, length) if corrected else 0)
+                    per[k, m, ci] = 8.0 * tot / self.n_values
         L, H, _, M = self.space.shape
-        return np.broadcast_to(per[None, None], (L, H, 2, M, len(SUPPORTED_BITS))).reshape(-1, len(SUPPORTED_BITS))
+        return np.broadcast_to(per[None, None], (L, H, 2, M, len(codes))).reshape(-1, len(codes))
 
     def _build(self, q: QuantizerSettings) -> _QTerms:
         g = self.space.geometry
@@ -110,7 +120,7 @@ class BpvModel:
         const = 8.0 * (T - C + n_sink) * g.head_dim * (self.reference.full_precision_bits // 8) \
             * g.num_kv_heads * 2 * g.num_layers / self.n_values
         sc = self.slot_costs(q)
-        bit_col = {b: i for i, b in enumerate(SUPPORTED_BITS)}
+        bit_col = {c: i for i, c in enumerate(self.space.codes)}
         groups = self.space.groups
         max_lv = max(gr.n_levels for gr in groups)
         cost = np.full((len(groups), max_lv), np.inf)
@@ -153,11 +163,13 @@ class BpvModel:
                 f"(bits, group_sizes, residual_lengths)")
 
 
-def group_damage(space: SearchSpace, slot_sensitivity: np.ndarray | None) -> np.ndarray:
+def group_damage(space: SearchSpace, slot_sensitivity: np.ndarray | None,
+                 correction_factor: float = DEFAULT_CORRECTION_FACTOR) -> np.ndarray:
     """Predicted damage of each group at each level: ``float [n_groups, max_levels]`` (inf padding).
 
     ``slot_sensitivity[slot]`` is the damage of that slot at the lowest candidate bits (from
     the sensitivity profile); ``None`` means every slot equally sensitive.
+    ``correction_factor``: damage of a corrected key slot relative to uncorrected.
     """
     n_slots = int(np.prod(space.shape))
     s = np.ones(n_slots) if slot_sensitivity is None else np.asarray(slot_sensitivity, dtype=np.float64).ravel()
@@ -165,7 +177,8 @@ def group_damage(space: SearchSpace, slot_sensitivity: np.ndarray | None) -> np.
     max_lv = max(g.n_levels for g in space.groups)
     out = np.full((len(space.groups), max_lv), np.inf)
     for gi, g in enumerate(space.groups):
-        out[gi, : g.n_levels] = (quantization_damage(g.level_bits, bmin) * s[g.slots][None, :]).sum(axis=1)
+        out[gi, : g.n_levels] = (quantization_damage(g.level_bits, bmin, correction_factor)
+                                 * s[g.slots][None, :]).sum(axis=1)
     return out
 
 

@@ -57,6 +57,10 @@ class HarnessScorer:
         self.model_name = model_name
         self.calls = 0
 
+    def calibration_sequences(self) -> list[list[int]]:
+        """Token ids of each sample (history then evaluated tokens), e.g. to learn query bases."""
+        return [list(p.sample.history_ids) + list(p.sample.eval_ids) for p in self.prepared]
+
     def __call__(self, plan: Plan) -> dict[str, Any]:
         from ..evaluation.harness import evaluate
 

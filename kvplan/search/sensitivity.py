@@ -26,7 +26,8 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ..kernels.qtypes import FULL_PRECISION_BITS
-from ..plans import KINDS, Plan, Provenance, QuantizerSettings, Reference
+from ..plans import CORRECTED, KINDS, Plan, Provenance, QuantizerSettings, Reference
+from .budget import DEFAULT_CORRECTION_FACTOR
 from .space import SearchSpace
 
 DEFAULT_HEAD_UNITS = 12  # (layer, kind) units whose heads the profile measures one by one
@@ -54,7 +55,8 @@ def profile_quantizer(space: SearchSpace) -> QuantizerSettings:
     """Setting the profile is measured at: the largest group size and the shortest residual
     (every history token quantized, the clearest signal)."""
     return QuantizerSettings(group_size=space.group_sizes[-1], key_axis=space.key_axes[0],
-                             value_axis=space.value_axis, residual_length=space.residual_lengths[0])
+                             value_axis=space.value_axis, residual_length=space.residual_lengths[0],
+                             **space.key_correction)
 
 
 def head_units(space: SearchSpace, profile: Mapping[str, float], n_units: int) -> dict[str, np.ndarray]:
@@ -81,8 +83,8 @@ def _unit_plans(space: SearchSpace, reference: Reference, units: Mapping[str, np
     for name, mask in units.items():
         table = np.full(space.shape, FULL_PRECISION_BITS, dtype=np.int64)
         table[mask] = low
-        plans[name] = Plan.from_table(table, space.geometry, space.modalities, quantizer=q, reference=reference,
-                                      provenance=Provenance(produced_by="kvplan search profile"))
+        plans[name] = space.plan_of_table(table, q, reference,
+                                          provenance=Provenance(produced_by="kvplan search profile"))
     return plans
 
 
@@ -98,7 +100,7 @@ def run_profile(score: Callable[[Plan], Mapping], space: SearchSpace, reference:
     returns name -> mean KL."""
     plans = profile_plans(space, reference)
     n_heads = n_head_units * space.shape[1] if space.granularity == "slot" and space.shape[1] > 1 else 0
-    total = len(plans) + min(n_heads, 2 * space.shape[0] * space.shape[1])
+    total = len(plans) + min(n_heads, 2 * space.shape[0] * space.shape[1]) + (2 if space.corrects_keys else 0)
     out: dict[str, float] = {}
 
     def measure(batch: Mapping[str, Plan]) -> None:
@@ -109,7 +111,30 @@ def run_profile(score: Callable[[Plan], Mapping], space: SearchSpace, reference:
 
     measure(plans)
     measure(_unit_plans(space, reference, head_units(space, out, n_head_units)))
+    if space.corrects_keys:
+        measure(correction_plans(space, reference))
     return out
+
+
+def correction_plans(space: SearchSpace, reference: Reference) -> dict[str, Plan]:
+    """Every key at the lowest bits, without and with the key correction (values at full
+    precision): their KL ratio is the damage factor of the correction (``correction_factor``)."""
+    q = profile_quantizer(space)
+    plans = {}
+    for name, code in (("keys", space.bits[0]), ("keys+correction", space.bits[0] + CORRECTED)):
+        table = np.full(space.shape, FULL_PRECISION_BITS, dtype=np.int64)
+        table[:, :, 0] = code
+        plans[name] = space.plan_of_table(table, q, reference,
+                                          provenance=Provenance(produced_by="kvplan search profile"))
+    return plans
+
+
+def correction_factor(profile: Mapping[str, float] | None) -> float:
+    """Measured damage of corrected vs uncorrected keys (profile entries ``keys+correction`` /
+    ``keys``), else ``DEFAULT_CORRECTION_FACTOR``."""
+    if not profile or "keys" not in profile or "keys+correction" not in profile or profile["keys"] <= 0:
+        return DEFAULT_CORRECTION_FACTOR
+    return float(min(1.0, max(profile["keys+correction"], 0.0) / profile["keys"]))
 
 
 def slot_sensitivity(space: SearchSpace, profile: Mapping[str, float] | None) -> np.ndarray | None:

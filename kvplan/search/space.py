@@ -19,6 +19,7 @@ length) are searched as categorical parameters ``q.group_size`` / ``q.key_axis``
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -27,9 +28,9 @@ import numpy as np
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 
 from ..errors import KVPlanError
-from ..kernels.qtypes import GROUP_SIZES, SUPPORTED_BITS
+from ..kernels.qtypes import FULL_PRECISION_BITS, GROUP_SIZES, SUPPORTED_BITS
 from ..models.geometry import Geometry
-from ..plans import KINDS, KVTUNER_PAIRS, Plan, Provenance, QuantizerSettings, Reference
+from ..plans import CORRECTED, KINDS, KVTUNER_PAIRS, KeyBasis, Plan, Provenance, QuantizerSettings, Reference
 
 GRANULARITIES = ("slot", "layer_kv", "layer", "kvtuner")
 DEFAULT_BITS = (2, 3, 4, 8, 16)
@@ -38,6 +39,8 @@ DEFAULT_RESIDUAL_LENGTHS = (0, 32, 128)
 DEFAULT_KEY_AXES = ("channel",)
 # first tokens kept at full precision: none, the attention sink (BOS / first token), a few
 DEFAULT_SINK_LENGTHS = (0, 1, 4)
+# rank of the HeadQ-style key correction the search offers for key slots at the lowest bits (0 = off)
+DEFAULT_KEY_CORRECTION_RANK = 0
 # searched parameter name -> QuantizerSettings field
 Q_FIELDS = {"q.group_size": "group_size", "q.key_axis": "key_axis", "q.residual_length": "residual_length",
             "q.sink_length": "sink_length"}
@@ -47,7 +50,8 @@ Q_PARAMS = tuple(Q_FIELDS)
 @dataclass(frozen=True)
 class Group:
     """One searched parameter: ``slots`` (flat indices into the bit table) and, per level,
-    the bits each of those slots gets (``level_bits[level, i]``)."""
+    the format code (bits, or bits + ``CORRECTED`` for a corrected key slot) each of those
+    slots gets (``level_bits[level, i]``)."""
 
     name: str
     slots: np.ndarray  # int [n_slots]
@@ -65,7 +69,8 @@ class SearchSpace:
                  bits: Sequence[int] = DEFAULT_BITS, group_sizes: Sequence[int] = DEFAULT_GROUP_SIZES,
                  residual_lengths: Sequence[int] = DEFAULT_RESIDUAL_LENGTHS,
                  key_axes: Sequence[str] = DEFAULT_KEY_AXES, value_axis: str = "token",
-                 sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS, pairs: Sequence[tuple[int, int]] = KVTUNER_PAIRS):
+                 sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS, pairs: Sequence[tuple[int, int]] = KVTUNER_PAIRS,
+                 key_basis=None, key_correction_bits: int = 4):
         if granularity not in GRANULARITIES:
             raise KVPlanError(f"granularity {granularity!r} is not one of {list(GRANULARITIES)}")
         bits = tuple(sorted(set(int(b) for b in bits)))
@@ -90,6 +95,10 @@ class SearchSpace:
         self.value_axis = value_axis
         self.pairs = tuple(sorted({tuple(p) for p in pairs}, key=lambda p: (p[0] + p[1], p[0])))
         self.shape = (geometry.num_layers, geometry.num_kv_heads, 2, len(self.modalities))
+        # key correction: one basis [L, H_kv, D, r] for every plan of the space (None: off)
+        self.key_basis = None if key_basis is None else KeyBasis(key_basis)
+        self.key_correction = {} if key_basis is None else {
+            "key_correction_rank": self.key_basis.shape[-1], "key_correction_bits": key_correction_bits}
         self.groups: list[Group] = self._build_groups()
         self._slot_group = np.full(int(np.prod(self.shape)), -1, dtype=np.int64)
         for gi, g in enumerate(self.groups):
@@ -97,6 +106,24 @@ class SearchSpace:
         assert (self._slot_group >= 0).all()
 
     # ------------------------------------------------------------------ structure
+    @property
+    def codes(self) -> tuple[int, ...]:
+        """Slot format codes the space can assign: the candidate bits, and with the key
+        correction the lowest quantized bits + :data:`CORRECTED` (a level between it and the next)."""
+        return self.bits + ((self.bits[0] + CORRECTED,) if self.corrects_keys else ())
+
+    @property
+    def corrects_keys(self) -> bool:
+        """True when key groups have a corrected level (key correction on, lowest bits quantized)."""
+        return self.key_basis is not None and self.bits[0] < FULL_PRECISION_BITS
+
+    def _key_levels(self) -> np.ndarray:
+        """Level codes of a keys-only group, in increasing cost order."""
+        levels = list(self.bits)
+        if self.corrects_keys:
+            levels.insert(1, self.bits[0] + CORRECTED)
+        return np.array(levels, dtype=np.int64)[:, None]
+
     def _build_groups(self) -> list[Group]:
         L, H, _, M = self.shape
         idx = np.arange(int(np.prod(self.shape))).reshape(self.shape)
@@ -105,11 +132,13 @@ class SearchSpace:
         if self.granularity == "slot":
             for l, h, k, m in itertools.product(range(L), range(H), range(2), range(M)):
                 sl = idx[l, h, k, m].reshape(1)
-                groups.append(Group(f"L{l:02d}.H{h}.{KINDS[k]}.{self.modalities[m]}", sl, levels.copy()))
+                lv = self._key_levels() if k == 0 else levels.copy()
+                groups.append(Group(f"L{l:02d}.H{h}.{KINDS[k]}.{self.modalities[m]}", sl, lv))
         elif self.granularity == "layer_kv":
             for l, k in itertools.product(range(L), range(2)):
                 sl = idx[l, :, k, :].ravel()
-                groups.append(Group(f"L{l:02d}.{KINDS[k]}", sl, np.repeat(levels, sl.size, axis=1)))
+                lv = self._key_levels() if k == 0 else levels
+                groups.append(Group(f"L{l:02d}.{KINDS[k]}", sl, np.repeat(lv, sl.size, axis=1)))
         elif self.granularity == "layer":
             for l in range(L):
                 sl = idx[l].ravel()
@@ -129,7 +158,7 @@ class SearchSpace:
     def quantizers(self) -> list[QuantizerSettings]:
         """Every plan-wide quantizer setting the space allows."""
         return [QuantizerSettings(group_size=g, key_axis=a, value_axis=self.value_axis, residual_length=r,
-                                  sink_length=s)
+                                  sink_length=s, **self.key_correction)
                 for g, a, r, s in itertools.product(self.group_sizes, self.key_axes, self.residual_lengths,
                                                     self.sink_lengths)]
 
@@ -158,7 +187,7 @@ class SearchSpace:
     def quantizer_of(self, params: Mapping) -> QuantizerSettings:
         choices = self.q_choices
         fields = {f: params.get(name, choices[name][0]) for name, f in Q_FIELDS.items()}
-        return QuantizerSettings(value_axis=self.value_axis, **fields)
+        return QuantizerSettings(value_axis=self.value_axis, **fields, **self.key_correction)
 
     def table_of_levels(self, levels: Sequence[int]) -> np.ndarray:
         flat = np.empty(int(np.prod(self.shape)), dtype=np.int64)
@@ -167,7 +196,8 @@ class SearchSpace:
         return flat.reshape(self.shape)
 
     def table_of(self, params: Mapping) -> np.ndarray:
-        """Bits ``[layers, kv_heads, 2, modalities]`` of a parameter set."""
+        """Format codes ``[layers, kv_heads, 2, modalities]`` of a parameter set (bits, plus
+        ``CORRECTED`` on corrected key slots; see ``Plan.code_table``)."""
         return self.table_of_levels(self.levels_of(params))
 
     def params_of(self, levels: Sequence[int], quantizer: QuantizerSettings) -> dict:
@@ -192,20 +222,32 @@ class SearchSpace:
 
     def contains_quantizer(self, q: QuantizerSettings) -> bool:
         return (q.value_axis == self.value_axis
+                and q.key_correction_rank == self.key_correction.get("key_correction_rank", 0)
+                and all(getattr(q, f) == v for f, v in self.key_correction.items())
                 and all(getattr(q, f) in self.q_choices[name] for name, f in Q_FIELDS.items()))
 
     def plan_of(self, params: Mapping, reference: Reference, **kwargs) -> Plan:
         kwargs.setdefault("provenance", Provenance(produced_by="kvplan search"))
-        return Plan.from_table(self.table_of(params), self.geometry, self.modalities,
-                               quantizer=self.quantizer_of(params), reference=reference, **kwargs)
+        return self.plan_of_table(self.table_of(params), self.quantizer_of(params), reference, **kwargs)
+
+    def plan_of_table(self, table, quantizer: QuantizerSettings, reference: Reference, **kwargs) -> Plan:
+        """Plan with these bits and quantizer settings (and the space's key correction basis)."""
+        return Plan.from_table(table, self.geometry, self.modalities, quantizer=quantizer, reference=reference,
+                               key_basis=self.key_basis if quantizer.key_correction_rank else None, **kwargs)
 
     def describe(self) -> dict:
         """JSON-able description (written beside exported plans)."""
         return {"granularity": self.granularity, "bits": list(self.bits), "group_sizes": list(self.group_sizes),
                 "residual_lengths": list(self.residual_lengths), "sink_lengths": list(self.sink_lengths),
-                "key_axes": list(self.key_axes),
+                "key_axes": list(self.key_axes), "key_correction": self._describe_correction(),
                 "value_axis": self.value_axis, "modalities": list(self.modalities), "shape": list(self.shape),
                 "n_params": len(self.distributions()), "pairs": [list(p) for p in self.pairs]}
+
+    def _describe_correction(self) -> dict | None:
+        if self.key_basis is None:
+            return None
+        digest = hashlib.sha256(self.key_basis.array.tobytes()).hexdigest()[:16]
+        return {**self.key_correction, "basis_sha256": digest}
 
     def __repr__(self) -> str:
         return (f"SearchSpace(granularity={self.granularity!r}, groups={len(self.groups)}, bits={self.bits}, "

@@ -1,7 +1,8 @@
 """Features of a plan for the surrogate: per-slot bits and aggregates.
 
 Bits enter as ``log2(bits)`` (2 -> 1, 16 -> 4), so "one more bit" is a similar step at
-every width. Columns:
+every width; a key slot with the key correction adds ``CORRECTION_FEATURE`` (see
+:func:`bits_feature`). Columns:
 
 - ``slot:L03.H1.k.doc``   one per slot of the table;
 - ``mean:k`` / ``mean:v``, ``mean:<modality>``, ``mean:k.<modality>``, ``layer:L03``,
@@ -17,7 +18,18 @@ from typing import Sequence
 
 import numpy as np
 
-from ..plans import KINDS
+from ..plans import CORRECTED, KINDS
+
+
+# feature offset of a corrected key slot: 2 bits + correction sits between 2 (1.0) and 3 (1.58) bits
+CORRECTION_FEATURE = 0.3
+
+
+def bits_feature(tables) -> np.ndarray:
+    """``log2(bits)`` of format-code tables (``Plan.code_table``), plus ``CORRECTION_FEATURE``
+    on corrected key slots; float, same shape."""
+    codes = np.asarray(tables, dtype=np.int64)
+    return np.log2((codes % CORRECTED).astype(np.float64)) + CORRECTION_FEATURE * (codes >= CORRECTED)
 
 
 def slot_names(shape, modalities) -> list[str]:
@@ -50,7 +62,7 @@ class PlanFeatures:
                   prior_damage=None, sink_lengths=None) -> np.ndarray:
         """``tables``: int ``[N, L, H, 2, M]``; the rest length-N sequences (``sink_lengths``
         defaults to 0). Returns float ``[N, F]``."""
-        t = np.log2(np.asarray(tables, dtype=np.float64))
+        t = bits_feature(tables)
         N = t.shape[0]
         L, H, _, M = self.shape
         cols = [t.reshape(N, -1), t[:, :, :, 0].reshape(N, -1).mean(1, keepdims=True),

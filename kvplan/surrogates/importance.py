@@ -28,7 +28,7 @@ from sklearn.ensemble import RandomForestRegressor
 from sklearn.inspection import permutation_importance
 
 from ..plans import KINDS
-from .features import slot_names
+from .features import bits_feature, slot_names
 from .forest import log_kl
 
 METHODS = ("impurity", "permutation", "shap")
@@ -110,9 +110,9 @@ def consensus_importance(X: np.ndarray, y: np.ndarray, names: list[str], seed: i
 
 
 def history_features(tables: np.ndarray, q_fields: dict[str, list], modalities) -> tuple[np.ndarray, list[str]]:
-    """Importance features: ``log2`` bits per slot + each quantizer field that varies."""
+    """Importance features: ``log2`` bits per slot (:func:`bits_feature`) + each quantizer field that varies."""
     N = tables.shape[0]
-    X = [np.log2(tables.reshape(N, -1).astype(np.float64))]
+    X = [bits_feature(tables.reshape(N, -1))]
     names = ["slot:" + s for s in slot_names(tables.shape[1:], modalities)]
     for name, vals in q_fields.items():
         vals = list(vals)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvplan import Geometry, KVPlanCache, baseline_plan, headguard_plan, uniform_plan
-from kvplan.plans import Reference, layout_labels
+from kvplan.plans import CORRECTED, Reference, layout_labels
 
 GEOM = Geometry(4, 3, 64, ("full",) * 4, "llama")
 
@@ -32,6 +32,22 @@ def _random_plan(seed, modalities, sink_length=0):
     return plan.with_table(rng.choice([2, 3, 4, 8, 16], size=plan.table().shape))
 
 
+def _corrected_plan(seed, modalities, rank, sink_length=0):
+    """Random plan (channel-axis keys) whose quantized key slots are corrected at random."""
+    import dataclasses
+
+    rng = np.random.default_rng(seed)
+    plan = _random_plan(seed, modalities, sink_length)
+    q = dataclasses.replace(plan.quantizer, key_axis="channel", key_correction_rank=rank,
+                            key_correction_bits=int(rng.choice([2, 3, 4, 8])))
+    codes = plan.table()
+    pick = (rng.random(codes.shape) < 0.6) & (codes < 16)
+    pick[:, :, 1] = False
+    codes[pick] += CORRECTED
+    basis = np.linalg.qr(rng.standard_normal((4, 3, 64, 64)))[0][..., :rank]
+    return plan.with_table(codes, quantizer=q, key_basis=basis)
+
+
 PLANS = {
     "int2": lambda: baseline_plan("int2", GEOM),
     "int4-g128": lambda: baseline_plan("int4-g128", GEOM),
@@ -45,6 +61,9 @@ PLANS = {
     "int2-sink1": lambda: baseline_plan("int2", GEOM, residual_length=0, sink_length=1),
     "random3-sink37": lambda: _random_plan(3, ("text", "visual"), sink_length=37),
     "random4-sink150": lambda: _random_plan(4, ("text", "doc"), sink_length=150),
+    # HeadQ-style key correction on some key slots: its codes and scales are counted as "correction"
+    "corrected5-r4": lambda: _corrected_plan(5, ("text", "visual"), 4),
+    "corrected6-r3-sink37": lambda: _corrected_plan(6, ("text", "doc"), 3, sink_length=37),
 }
 MIXES = {
     "text": [("text", 1.0)],
@@ -81,6 +100,23 @@ def test_predicted_bpv_equals_measured(name, mix, length):
         n_values = cache.num_values()
         assert 8 * parts["scales_zeros"] / n_values == predicted.scales_zeros
         assert 8 * parts["residual"] / n_values == predicted.residual
+        assert 8 * parts["correction"] / n_values == predicted.correction
+
+
+def test_key_correction_cost_by_hand():
+    """Every key corrected, rank 4 at 4 bits, group 128, no residual, 1024 text tokens: per key
+    token and head 2 bytes of codes + 4 components x (scale + zero) per 128 tokens."""
+    import dataclasses
+
+    plan = baseline_plan("int2", GEOM, residual_length=0, group_size=128)
+    q = dataclasses.replace(plan.quantizer, key_correction_rank=4, key_correction_bits=4)
+    codes = plan.table()
+    codes[:, :, 0] += CORRECTED
+    plan = plan.with_table(codes, quantizer=q, key_basis=np.zeros((4, 3, 64, 4)))
+    bpv = plan.bpv(context_len=1024, modality_mix={"text": 1.0})
+    per_key_token_bits = 8 * (2 + 4 * 4 / 128)  # 17 bits per key token and head
+    assert bpv.correction == per_key_token_bits / (2 * 64)
+    assert bpv.total == 2.0 + 0.375 + per_key_token_bits / 128
 
 
 def test_int2_group32_is_three_bits_per_value():

@@ -1,7 +1,8 @@
 """A fast, deterministic stand-in for the evaluation harness: KL as a function of the bit table.
 
 Keys ~8x more sensitive than values, a few "hot" KV heads, layer-dependent weights, a
-K x V interaction per layer, worse with larger groups, better with a longer residual.
+K x V interaction per layer, worse with larger groups, better with a longer residual; key
+slots with the key correction do 5x less damage.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class SyntheticScorer:
         w.reshape(L * H, 2, -1)[hot, 0] *= 20.0
         self.w = w
         self.sleep, self.noise, self.calls = sleep, noise, 0
+        self.correction_factor = 0.2  # damage of a key slot with the key correction, relative
         self.data_hash = f"synthetic-{seed}"
         self.model_name = "synthetic"
 
@@ -38,6 +40,7 @@ class SyntheticScorer:
             time.sleep(self.sleep)
         t = plan.table().astype(float)
         err = np.where(t >= 16, 0.0, (3.0 / (2.0 ** t - 1)) ** 2)
+        err = err * np.where(plan.correction_table(), self.correction_factor, 1.0)
         q = plan.quantizer
         gs = (q.group_size / 32) ** 0.5
         res = 1.0 - 0.3 * min(q.residual_length, 128) / 128

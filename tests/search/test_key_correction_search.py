@@ -1,0 +1,79 @@
+"""Search with the key correction: the space's corrected level, exact bpv, profile, export."""
+
+import numpy as np
+import pytest
+
+from kvplan import Geometry, KVPlanError, Plan
+from kvplan.plans import CORRECTED
+from kvplan.search import BpvModel, SearchSpace, query_basis, search
+from tests.search.synthetic import MODS, REF, SyntheticScorer
+from tests.tiny_models import tiny_llama
+
+FAST = dict(n_candidates=6, n_local=10, progress=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(num_layers=6, num_kv_heads=2, head_dim=64)
+
+
+def test_query_basis_is_orthonormal_and_reproducible(model):
+    ids = [list(range(5, 40)), list(range(50, 90))]
+    U = query_basis(model, ids, 4)
+    assert U.shape == (6, 2, 64, 4) and U.dtype == np.float32
+    gram = np.einsum("lhdr,lhds->lhrs", U, U)
+    np.testing.assert_allclose(gram, np.broadcast_to(np.eye(4), gram.shape), atol=1e-5)
+    np.testing.assert_array_equal(U, query_basis(model, ids, 4))
+    with pytest.raises(KVPlanError, match="rank 65"):
+        query_basis(model, ids, 65)
+
+
+def test_space_offers_the_corrected_level_on_keys_only_and_bpv_is_exact(model):
+    g = Geometry.of(model)
+    basis = np.linalg.qr(np.random.default_rng(0).standard_normal((6, 2, 64, 64)))[0][..., :4]
+    space = SearchSpace(g, MODS, "slot", key_basis=basis)
+    kinds = {grp.name.split(".")[2]: grp.level_bits[:, 0].tolist() for grp in space.groups}
+    assert kinds == {"k": [2, 2 + CORRECTED, 3, 4, 8, 16], "v": [2, 3, 4, 8, 16]}
+    bm = BpvModel(space, REF)
+    rng = np.random.default_rng(1)
+    for q in space.quantizers()[:6]:
+        assert q.key_correction_rank == 4
+        levels = np.array([rng.integers(0, grp.n_levels) for grp in space.groups])
+        params = space.params_of(levels, q)
+        plan = space.plan_of(params, REF)
+        assert plan.key_basis is not None and plan.correction_table().any()
+        assert bm.bpv(levels, q) == pytest.approx(plan.bpv().total, abs=1e-12)
+        assert Plan.from_yaml(plan.to_yaml()) == plan
+    # the corrected level costs more than 2 bits and less than 3
+    t = bm.terms(space.quantizers()[0])
+    k0 = [i for i, grp in enumerate(space.groups) if grp.name.endswith(".k.doc")][0]
+    assert t.group_cost[k0, 0] < t.group_cost[k0, 1] < t.group_cost[k0, 2]
+
+
+class CorrectionScorer(SyntheticScorer):
+    """The synthetic scorer (corrected key slots do 5x less damage) with a model and calibration
+    sequences, so the search can learn query bases."""
+
+    def __init__(self, model, **kw):
+        super().__init__(**kw)
+        self.model = model
+
+    def calibration_sequences(self):
+        return [list(range(3 + i, 70 + i)) for i in range(2)]
+
+
+def test_search_uses_and_exports_the_correction(model, tmp_path):
+    sc = CorrectionScorer(model)
+    out = tmp_path / "plan.yaml"
+    r = search(budget="2.6bpv", n_trials=16, seed=0, scorer=sc, out=out, key_correction_rank=4, **FAST)
+    plan = Plan.from_yaml(out)
+    assert plan.quantizer.key_correction_rank == 4 and plan.key_basis.shape == (6, 2, 64, 4)
+    assert plan.bpv().total <= 2.6 + 1e-9
+    assert {"keys", "keys+correction"} <= set(r.profile)
+    assert plan.correction_table().any()
+    assert plan.bpv().correction > 0
+
+
+def test_correction_needs_a_scorer_with_the_model():
+    with pytest.raises(KVPlanError, match="key_correction_rank=0"):
+        search(budget="2.6bpv", n_trials=4, scorer=SyntheticScorer(), out=None, key_correction_rank=4, **FAST)
