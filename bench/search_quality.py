@@ -13,7 +13,10 @@ sample counts and history length):
   (best variant on held-out, which favours the baseline);
 - a KVTuner-style search: one (K bits, V bits) pair per layer from KVTuner's candidates,
   plain TPE, no profile, no seeds, no surrogate, given as many real evaluations as the
-  searched plan used (its profile evaluations included), chosen on calibration.
+  searched plan used (its profile evaluations included), chosen on calibration;
+- when the searched plan uses the key correction: uniform int2 with every key corrected
+  (kvplan's codec without the search; the baselines above are the published methods, which
+  have no key correction).
 
 ``--curve``: does the surrogate earn its place? Best calibration KL against real
 evaluations with and without the surrogate, search seeds 0, 1, 2, same data, same
@@ -29,6 +32,7 @@ Writes ``bench/results/search_quality.json`` (merged across parts) and prints a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -39,7 +43,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvplan import Plan  # noqa: E402
-from kvplan.plans import atomic_write_text, headguard_plan, uniform_plan  # noqa: E402
+from kvplan.plans import CORRECTED, atomic_write_text, headguard_plan, uniform_plan  # noqa: E402
 from kvplan.search import search  # noqa: E402
 from kvplan.search._search import sidecar_paths  # noqa: E402
 from kvplan.search.scorers import harness_scorers  # noqa: E402
@@ -104,9 +108,19 @@ def quality(plan: Plan, side: dict, cal, held, budget: float) -> dict:
     res["kvtuner"] = {"kvtuner-search": _row(kvt.plan, kvt.plan.metrics["heldout"], n_real=kvt.n_real_evals,
                                              seconds=time.time() - t,
                                              calibration_kl=kvt.plan.metrics["calibration"]["kl"])}
+    if plan.key_basis is not None:
+        q = dataclasses.replace(uniform_plan(g, 2, 2, group_size=128, residual_length=0).quantizer,
+                                key_correction_rank=plan.quantizer.key_correction_rank,
+                                key_correction_bits=plan.quantizer.key_correction_bits)
+        codes = uniform_plan(g, 2, 2, modalities=mods).table()
+        codes[:, :, 0] += CORRECTED
+        p = Plan.from_table(codes, g, mods, quantizer=q, reference=ref, key_basis=plan.key_basis)
+        res["codec"] = {"int2-g128-r0 + key correction (every key)": _row(p, held(p))}
     kl = res["searched"]["kl"]
     ratios = {}
-    for fam in ("uniform", "headguard", "kvtuner"):
+    for fam in ("uniform", "headguard", "kvtuner", "codec"):
+        if fam not in res:
+            continue
         for name, row in res[fam].items():
             ratios[name] = kl / row["kl"]
     res["ratios"] = ratios
@@ -155,8 +169,8 @@ def main() -> None:
     res.update(plan=a.plan, budget=budget, command=" ".join(["python"] + sys.argv))
     if a.part in ("quality", "all"):
         res["quality"] = quality(plan, side, cal, held, budget)
-        for fam in ("uniform", "headguard", "kvtuner"):
-            for name, row in res["quality"][fam].items():
+        for fam in ("uniform", "headguard", "kvtuner", "codec"):
+            for name, row in res["quality"].get(fam, {}).items():
                 print(f"{name:32s} {row['bpv']:.3f} bpv  KL {row['kl']:.4f}  ratio searched/this "
                       f"{res['quality']['ratios'][name]:.3f}", flush=True)
         print(f"searched {res['quality']['searched']['bpv']:.3f} bpv KL {res['quality']['searched']['kl']:.4f}")

@@ -109,6 +109,9 @@ def report(plan_path, importance: bool = True, seed: int = 0) -> dict[str, Any]:
                         protected.append({"layer": l, "head": h, "kind": kind, "modality": m, "bits": b})
     alloc["protected"] = protected
     alloc["median_bits"] = med
+    corrected = plan.correction_table()  # [L, H, 2, M]
+    alloc["corrected_keys"] = [{"layer": int(l), "head": int(h), "modality": mods[int(i)]}
+                               for l, h, k, i in zip(*np.nonzero(corrected))]
     rep["allocation"] = alloc
     rep["metrics"] = dict(plan.metrics)
     if not plan.metrics:
@@ -196,9 +199,9 @@ def render_text(rep: dict) -> str:
              f"residual {q['residual_length']} newest and {q.get('sink_length', 0)} first (attention-sink) tokens "
              "at full precision")
     if q.get("key_correction_rank"):
-        L.append(f"key correction: keys at <= {q['key_correction_max_bits']} bits also store a rank-"
-                 f"{q['key_correction_rank']} code of their error ({q['key_correction_bits']}-bit) in a per-head "
-                 "query basis learned on the calibration data (HeadQ-style)")
+        L.append(f"key correction: key slots marked 'correct' also store a rank-{q['key_correction_rank']} "
+                 f"{q['key_correction_bits']}-bit code of their error in per-head query bases learned on the "
+                 "calibration data (HeadQ-style)")
     b = rep["budget"]
     mix = ", ".join(f"{k} {v:.1%}" for k, v in b["reference"]["modality_mix"].items())
     L.append("")
@@ -230,6 +233,11 @@ def render_text(rep: dict) -> str:
             row = []
     if row:
         L.append("    " + "  ".join(row))
+    if a["corrected_keys"]:
+        heads = sorted({(c["layer"], c["head"]) for c in a["corrected_keys"]})
+        L.append(f"  key correction on {len(a['corrected_keys'])} key slots ({len(heads)} KV heads): " +
+                 ", ".join(f"L{l}.H{h}" for l, h in heads[:24]) +
+                 (f" (+{len(heads) - 24} more)" if len(heads) > 24 else ""))
     if a["protected"]:
         heads = sorted({(p["layer"], p["head"], p["kind"]) for p in a["protected"]})
         L.append(f"  protected (>= 8 bits, above the median {a['median_bits']:g}): " +

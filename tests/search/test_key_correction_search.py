@@ -1,9 +1,12 @@
 """Search with the key correction: the space's corrected level, exact bpv, profile, export."""
 
+import json
+
 import numpy as np
 import pytest
 
 from kvplan import Geometry, KVPlanError, Plan
+from kvplan.explain import explain
 from kvplan.plans import CORRECTED
 from kvplan.search import BpvModel, SearchSpace, query_basis, search
 from tests.search.synthetic import MODS, REF, SyntheticScorer
@@ -72,6 +75,13 @@ def test_search_uses_and_exports_the_correction(model, tmp_path):
     assert {"keys", "keys+correction"} <= set(r.profile)
     assert plan.correction_table().any()
     assert plan.bpv().correction > 0
+    # explain reads the trial history, whose bit columns hold format codes (2 + CORRECTED = 102)
+    txt = explain(out)
+    for needle in ("key correction: key slots marked", "+ key correction", "key correction on",
+                   "consensus importance"):
+        assert needle in txt, needle
+    rep = json.loads(explain(out, format="json"))
+    assert len(rep["allocation"]["corrected_keys"]) == int(plan.correction_table().sum())
 
 
 def test_correction_needs_a_scorer_with_the_model():
