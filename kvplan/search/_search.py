@@ -485,7 +485,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            scorer: Scorer | None = None, heldout_scorer: Scorer | None = None, reference: Reference | None = None,
            bits: Sequence[int] = DEFAULT_BITS, group_sizes: Sequence[int] = DEFAULT_GROUP_SIZES,
            residual_lengths: Sequence[int] = DEFAULT_RESIDUAL_LENGTHS, key_axes: Sequence[str] = DEFAULT_KEY_AXES,
-           sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS, key_correction_rank: int = DEFAULT_KEY_CORRECTION_RANK,
+           sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS, key_correction_rank: int | None = None,
            key_correction_bits: int = 4, pareto: bool = False, profile: bool | Mapping[str, float] = True,
            profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
            n_candidates: int = 16, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
@@ -506,7 +506,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     correction code (``key_correction_bits`` bits) in per-head query bases learned from the
     scorer's calibration samples (HeadQ-style; needs a scorer with ``model`` and
     ``calibration_sequences()``, as the built-in one has); the search decides which key slots
-    use it, and the profile measures what it is worth.
+    use it, and the profile measures what it is worth. ``None`` (default):
+    ``DEFAULT_KEY_CORRECTION_RANK`` when the scorer can provide calibration queries, else 0.
 
     Returns a :class:`SearchResult`; ``result.plan`` is the exported plan.
     """
@@ -528,8 +529,11 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     if reference is None:
         reference = getattr(scorer, "reference", None) or Reference()
     key_basis = None
+    has_queries = hasattr(scorer, "model") and hasattr(scorer, "calibration_sequences")
+    if key_correction_rank is None:
+        key_correction_rank = DEFAULT_KEY_CORRECTION_RANK if has_queries else 0
     if key_correction_rank:
-        if not (hasattr(scorer, "model") and hasattr(scorer, "calibration_sequences")):
+        if not has_queries:
             raise KVPlanError("key_correction_rank > 0 needs a scorer with .model and .calibration_sequences() to "
                               "learn the query bases from (the built-in harness scorer has both); pass "
                               "key_correction_rank=0 to search without the key correction")

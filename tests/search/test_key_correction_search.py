@@ -87,3 +87,13 @@ def test_search_uses_and_exports_the_correction(model, tmp_path):
 def test_correction_needs_a_scorer_with_the_model():
     with pytest.raises(KVPlanError, match="key_correction_rank=0"):
         search(budget="2.6bpv", n_trials=4, scorer=SyntheticScorer(), out=None, key_correction_rank=4, **FAST)
+
+
+def test_default_rank_follows_the_scorer(model):
+    from kvplan.search import DEFAULT_KEY_CORRECTION_RANK
+
+    with_queries = search(budget="2.6bpv", n_trials=3, scorer=CorrectionScorer(model), out=None, profile=False,
+                          **FAST)
+    assert with_queries.plan.quantizer.key_correction_rank == DEFAULT_KEY_CORRECTION_RANK > 0
+    without = search(budget="2.6bpv", n_trials=3, scorer=SyntheticScorer(), out=None, profile=False, **FAST)
+    assert without.plan.quantizer.key_correction_rank == 0 and without.plan.key_basis is None
