@@ -104,7 +104,7 @@ def quality(plan: Plan, side: dict, cal, held, budget: float) -> dict:
     t = time.time()
     kvt = search(budget=budget, granularity="kvtuner", n_trials=n_real + n_profile, seed=0, scorer=cal,
                  heldout_scorer=held, out=None, profile=False, baselines=False, surrogate=False,
-                 sink_lengths=(0,), progress=False)
+                 sink_lengths=(0,), key_correction_rank=0, progress=False)
     res["kvtuner"] = {"kvtuner-search": _row(kvt.plan, kvt.plan.metrics["heldout"], n_real=kvt.n_real_evals,
                                              seconds=time.time() - t,
                                              calibration_kl=kvt.plan.metrics["calibration"]["kl"])}
