@@ -38,11 +38,9 @@ def best_range(xg: torch.Tensor, dim: int, qmax: int) -> tuple[torch.Tensor, tor
     best = None
     for a, b in pairs:
         lo, hi = c - a * half, c + b * half
-        s = ((hi - lo) / qmax).to(torch.float16).float()
-        z = lo.to(torch.float16).float()
-        safe = torch.where(s > 0, s, torch.ones_like(s))
-        q = torch.round((xg - z.unsqueeze(dim)) / safe.unsqueeze(dim)).clamp(0, qmax)
-        err = ((q * s.unsqueeze(dim) + z.unsqueeze(dim) - xg) ** 2).sum(dim=dim)
+        s, z = (t.unsqueeze(dim) for t in R._scale_zero(lo, hi, qmax))  # kvplan's fp16 scale / zero
+        q = R._encode(xg, s, z, qmax).float()
+        err = ((q * s.float() + z.float() - xg) ** 2).sum(dim=dim)
         if best is None:
             best = (err, lo, hi)
         else:

@@ -11,6 +11,7 @@ from ._schema import (
     QuantizerSettings,
     Reference,
     atomic_write_text,
+    split_codes,
 )
 from .accounting import (BpvBreakdown, committed_length, label_runs, layout_labels, plan_bpv, plan_bytes,
                          stored_runs)
@@ -38,6 +39,7 @@ __all__ = [
     "layout_labels",
     "plan_bpv",
     "plan_bytes",
+    "split_codes",
     "stored_runs",
     "uniform_plan",
 ]

@@ -28,6 +28,11 @@ CORRECTION_BITS = (2, 3, 4, 8)
 # format code of a key slot stored at ``b`` bits with the key correction: ``b + CORRECTED``
 # (``Plan.code_table``); plain bits are codes below it
 CORRECTED = 100
+
+
+def split_codes(codes):
+    """``(bits, corrected)`` of format codes (an int or an int array): see :data:`CORRECTED`."""
+    return codes % CORRECTED, codes >= CORRECTED
 DEFAULT_MODALITY = "text"
 
 
@@ -254,11 +259,11 @@ class Plan:
 
     def table(self) -> np.ndarray:
         """Bits per slot as ``int [num_layers, num_kv_heads, 2 (k, v), n_modalities]``."""
-        return self.code_table() % CORRECTED
+        return split_codes(self.code_table())[0]
 
     def correction_table(self) -> np.ndarray:
         """``bool [num_layers, num_kv_heads, 2, n_modalities]``: slots storing the key correction."""
-        return self.code_table() >= CORRECTED
+        return split_codes(self.code_table())[1]
 
     def slot_bits(self, layer: int, head: int, kind: str, modality: str) -> int:
         return int(self.table()[layer, head, KINDS.index(kind), self.modalities.index(modality)])
@@ -758,7 +763,8 @@ def _merge_adjacent(rules: list[BitRule]) -> list[BitRule]:
 
 
 def _rule_of_code(code: int, **selectors) -> BitRule:
-    return BitRule(bits=code % CORRECTED, correct=code >= CORRECTED, **selectors)
+    bits, corrected = split_codes(code)
+    return BitRule(bits=bits, correct=corrected, **selectors)
 
 
 def _flat_rules(table: np.ndarray, modalities) -> list[BitRule]:

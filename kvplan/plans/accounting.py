@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..kernels.qtypes import FULL_PRECISION_BITS, SCALE_BYTES, ZERO_BYTES, channel_group_size, packed_row_bytes
-from ._schema import CORRECTED
+from ._schema import split_codes
 
 
 def committed_length(total: int, residual_length: int, group_size: int) -> int:
@@ -133,8 +133,7 @@ def plan_bytes(plan, geometry, labels: Sequence[str], batch_size: int = 1, fp_by
     """Bytes the runtime stores for ``plan`` after writing tokens labelled ``labels``: a dict
     ``payload``, ``scales_zeros``, ``correction``, ``residual``."""
     q = plan.quantizer
-    codes = plan.code_table()
-    table, corrected = codes % CORRECTED, codes >= CORRECTED
+    table, corrected = split_codes(plan.code_table())
     T = len(labels)
     C = committed_length(T, q.residual_length, q.group_size)
     unknown = sorted({lab for lab in labels[:C]} - set(plan.modalities))

@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..errors import CacheError, PlanError
 from ..models.geometry import Geometry
 from ..kernels import FULL_PRECISION_BITS
-from ..plans import CORRECTED, KINDS, Plan, committed_length, stored_runs
+from ..plans import KINDS, Plan, committed_length, split_codes, stored_runs
 from .fused import MAX_FUSED_QUERY, mark_pending
 from .storage import PackedBlock, Segment
 
@@ -209,8 +209,8 @@ class KVPlanLayer(CacheLayerMixin):
                 blocks = []
                 for code, heads in groups:
                     xh = x if len(heads) == x.shape[1] else x[:, list(heads)]
-                    bits = code % CORRECTED
-                    basis = self.key_basis[list(heads)] if code >= CORRECTED else None
+                    bits, corrected = split_codes(code)
+                    basis = self.key_basis[list(heads)] if corrected else None
                     blocks.append(PackedBlock.encode(xh, heads, bits, q.axis(kind), q.group_size, start, basis,
                                                      q.key_correction_bits))
                 segs = self.segments[kind]

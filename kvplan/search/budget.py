@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import KVPlanError
 from ..kernels.qtypes import FULL_PRECISION_BITS
-from ..plans import CORRECTED, QuantizerSettings, Reference, committed_length, layout_labels, stored_runs
+from ..plans import QuantizerSettings, Reference, committed_length, layout_labels, split_codes, stored_runs
 from ..plans.accounting import correction_bytes, run_bytes
 from .space import Q_FIELDS, SearchSpace
 
@@ -62,9 +62,9 @@ def quantization_damage(codes, bmin: int, correction_factor: float = DEFAULT_COR
     """Relative damage prior of storing at ``codes`` (bits, or bits + ``CORRECTED``) vs ``bmin``
     bits: squared step size ratio ``((2^bmin - 1) / (2^bits - 1))^2``, times ``correction_factor``
     for corrected key slots, and 0 at full precision (16)."""
-    c = np.asarray(codes, dtype=np.int64)
-    b = (c % CORRECTED).astype(np.float64)
-    out = ((2.0 ** bmin - 1) / (2.0 ** b - 1)) ** 2 * np.where(c >= CORRECTED, correction_factor, 1.0)
+    b, corrected = split_codes(np.asarray(codes, dtype=np.int64))
+    b = b.astype(np.float64)
+    out = ((2.0 ** bmin - 1) / (2.0 ** b - 1)) ** 2 * np.where(corrected, correction_factor, 1.0)
     return np.where(b >= FULL_PRECISION_BITS, 0.0, out)
 
 
@@ -102,7 +102,7 @@ class BpvModel:
         for k, kind in enumerate(("k", "v")):
             for m, mod in enumerate(self.space.modalities):
                 for ci, code in enumerate(codes):
-                    bits, corrected = code % CORRECTED, code >= CORRECTED
+                    bits, corrected = split_codes(code)
                     tot = 0
                     for lab, start, length, sink in runs:
                         if lab == mod and not sink:  # sink positions are a constant (see _build)

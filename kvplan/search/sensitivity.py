@@ -76,9 +76,11 @@ def head_units(space: SearchSpace, profile: Mapping[str, float], n_units: int) -
     return units
 
 
-def _unit_plans(space: SearchSpace, reference: Reference, units: Mapping[str, np.ndarray]) -> dict[str, Plan]:
+def _unit_plans(space: SearchSpace, reference: Reference, units: Mapping[str, np.ndarray],
+                code: int | None = None) -> dict[str, Plan]:
+    """One plan per unit: its slots at ``code`` (default: the lowest candidate bits), the rest 16."""
     q = profile_quantizer(space)
-    low = space.bits[0]
+    low = space.bits[0] if code is None else code
     plans = {}
     for name, mask in units.items():
         table = np.full(space.shape, FULL_PRECISION_BITS, dtype=np.int64)
@@ -119,14 +121,10 @@ def run_profile(score: Callable[[Plan], Mapping], space: SearchSpace, reference:
 def correction_plans(space: SearchSpace, reference: Reference) -> dict[str, Plan]:
     """Every key at the lowest bits, without and with the key correction (values at full
     precision): their KL ratio is the damage factor of the correction (``correction_factor``)."""
-    q = profile_quantizer(space)
-    plans = {}
-    for name, code in (("keys", space.bits[0]), ("keys+correction", space.bits[0] + CORRECTED)):
-        table = np.full(space.shape, FULL_PRECISION_BITS, dtype=np.int64)
-        table[:, :, 0] = code
-        plans[name] = space.plan_of_table(table, q, reference,
-                                          provenance=Provenance(produced_by="kvplan search profile"))
-    return plans
+    keys = np.zeros(space.shape, dtype=bool)
+    keys[:, :, 0] = True
+    return {**_unit_plans(space, reference, {"keys": keys}),
+            **_unit_plans(space, reference, {"keys+correction": keys}, code=space.bits[0] + CORRECTED)}
 
 
 def correction_factor(profile: Mapping[str, float] | None) -> float:

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..plans import CORRECTED, KINDS
+from ..plans import KINDS, split_codes
 
 
 # feature offset of a corrected key slot: 2 bits + correction sits between 2 (1.0) and 3 (1.58) bits
@@ -28,8 +28,8 @@ CORRECTION_FEATURE = 0.3
 def bits_feature(tables) -> np.ndarray:
     """``log2(bits)`` of format-code tables (``Plan.code_table``), plus ``CORRECTION_FEATURE``
     on corrected key slots; float, same shape."""
-    codes = np.asarray(tables, dtype=np.int64)
-    return np.log2((codes % CORRECTED).astype(np.float64)) + CORRECTION_FEATURE * (codes >= CORRECTED)
+    bits, corrected = split_codes(np.asarray(tables, dtype=np.int64))
+    return np.log2(bits.astype(np.float64)) + CORRECTION_FEATURE * corrected
 
 
 def slot_names(shape, modalities) -> list[str]:
