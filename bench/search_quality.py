@@ -14,9 +14,10 @@ sample counts and history length):
 - a KVTuner-style search: one (K bits, V bits) pair per layer from KVTuner's candidates,
   plain TPE, no profile, no seeds, no surrogate, given as many real evaluations as the
   searched plan used (its profile evaluations included), chosen on calibration;
-- when the searched plan uses the key correction: uniform int2 with every key corrected
-  (kvplan's codec without the search; the baselines above are the published methods, which
-  have no key correction).
+- kvplan's codec without the search (the baselines above are the published methods, which
+  have neither kvplan's rotations nor its key correction): uniform int2 and the HeadGuard-style
+  plan with the searched plan's rotations (``quantizer.rotation`` / ``key_pre_rope``), and
+  uniform int2 with the rotations and every key corrected when the plan uses the correction.
 
 ``--curve``: does the surrogate earn its place? Best calibration KL against real
 evaluations with and without the surrogate, search seeds 0, 1, 2, same data, same
@@ -55,8 +56,16 @@ def _row(plan: Plan, metrics: dict, **extra) -> dict:
             "top1": metrics.get("top1"), **extra}
 
 
-def headguard_rows(held, profile: dict, budget: float) -> dict:
-    """Best HeadGuard-style plan per protected bit width (keys of the most sensitive heads)."""
+def with_codec(p: Plan, searched: Plan) -> Plan:
+    """``p`` with the searched plan's rotations (kvplan's codec; same bits, same bpv)."""
+    q = dataclasses.replace(p.quantizer, rotation=searched.quantizer.rotation,
+                            key_pre_rope=searched.quantizer.key_pre_rope)
+    return p.replace(quantizer=q, rope_inv_freq=searched.rope_inv_freq)
+
+
+def headguard_rows(held, profile: dict, budget: float, codec=lambda p: p) -> dict:
+    """Best HeadGuard-style plan per protected bit width (keys of the most sensitive heads);
+    ``codec`` maps each plan before it is scored."""
     g, mods, ref = held.geometry, held.modalities, held.reference
     heads = sorted(((v, n) for n, v in profile.items() if n.count(".") == 2 and ".k.h" in n), reverse=True)
     order = [(int(n[1:3]), int(n.rsplit("h", 1)[1])) for _, n in heads]  # "L20.k.h2" -> (20, 2)
@@ -72,8 +81,8 @@ def headguard_rows(held, profile: dict, budget: float) -> dict:
                 protected.append(lh)
             if not protected:
                 continue
-            p = headguard_plan(g, protected, protected_key_bits=bits, group_size=gs, residual_length=0,
-                               modalities=mods, reference=ref)
+            p = codec(headguard_plan(g, protected, protected_key_bits=bits, group_size=gs, residual_length=0,
+                                     modalities=mods, reference=ref))
             row = _row(p, held(p), group_size=gs, protected_key_bits=bits, protected_heads=protected)
             key = f"headguard-k{bits}"
             if key not in out or row["kl"] < out[key]["kl"]:
@@ -104,18 +113,21 @@ def quality(plan: Plan, side: dict, cal, held, budget: float) -> dict:
     t = time.time()
     kvt = search(budget=budget, granularity="kvtuner", n_trials=n_real + n_profile, seed=0, scorer=cal,
                  heldout_scorer=held, out=None, profile=False, baselines=False, surrogate=False,
-                 sink_lengths=(0,), key_correction_rank=0, progress=False)
+                 sink_lengths=(0,), key_correction_rank=0, rotation="none", key_pre_rope=False, progress=False)
     res["kvtuner"] = {"kvtuner-search": _row(kvt.plan, kvt.plan.metrics["heldout"], n_real=kvt.n_real_evals,
                                              seconds=time.time() - t,
                                              calibration_kl=kvt.plan.metrics["calibration"]["kl"])}
+    int2 = with_codec(uniform_plan(g, 2, 2, group_size=128, residual_length=0, modalities=mods, reference=ref), plan)
+    res["codec"] = {"int2-g128-r0 + rotations": _row(int2, held(int2))}
+    for name, row in headguard_rows(held, side.get("profile") or {}, budget, lambda p: with_codec(p, plan)).items():
+        res["codec"][f"{name} + rotations"] = row
     if plan.key_basis is not None:
-        q = dataclasses.replace(uniform_plan(g, 2, 2, group_size=128, residual_length=0).quantizer,
-                                key_correction_rank=plan.quantizer.key_correction_rank,
+        q = dataclasses.replace(int2.quantizer, key_correction_rank=plan.quantizer.key_correction_rank,
                                 key_correction_bits=plan.quantizer.key_correction_bits)
-        codes = uniform_plan(g, 2, 2, modalities=mods).table()
+        codes = int2.table()
         codes[:, :, 0] += CORRECTED
-        p = Plan.from_table(codes, g, mods, quantizer=q, reference=ref, key_basis=plan.key_basis)
-        res["codec"] = {"int2-g128-r0 + key correction (every key)": _row(p, held(p))}
+        p = int2.with_table(codes, quantizer=q, key_basis=plan.key_basis)
+        res["codec"]["int2-g128-r0 + rotations + key correction (every key)"] = _row(p, held(p))
     kl = res["searched"]["kl"]
     ratios = {}
     for fam in ("uniform", "headguard", "kvtuner", "codec"):
@@ -127,25 +139,33 @@ def quality(plan: Plan, side: dict, cal, held, budget: float) -> dict:
     return res
 
 
+# curve arms: name -> search() options. "with" is the default search (forest on log-KL minus
+# the log of the profile's damage estimate); "forest_only" the forest on log-KL alone
+CURVE_ARMS = {"with": dict(surrogate=True, surrogate_offset=True),
+              "forest_only": dict(surrogate=True, surrogate_offset=False),
+              "without": dict(surrogate=False)}
+
+
 def curve(side: dict, cal, budget: float, n_trials: int) -> dict:
     curves, finals = {}, {}
-    for sur in (True, False):
+    for arm, opts in CURVE_ARMS.items():
         for seed in (0, 1, 2):
             t = time.time()
-            r = search(budget=budget, n_trials=n_trials, seed=seed, scorer=cal, out=None, surrogate=sur,
-                       profile=side["profile"], progress=False)
-            curves[f"surrogate={sur},seed={seed}"] = [c[1] for c in r.curve]
-            print(f"curve surrogate={sur} seed={seed}: best KL {r.curve[-1][1]:.4f} ({time.time() - t:.0f} s)",
-                  flush=True)
+            r = search(budget=budget, n_trials=n_trials, seed=seed, scorer=cal, out=None, profile=side["profile"],
+                       progress=False, **opts)
+            curves[f"{arm},seed={seed}"] = [c[1] for c in r.curve]
+            print(f"curve {arm} seed={seed}: best KL {r.curve[-1][1]:.4f} ({time.time() - t:.0f} s)", flush=True)
     for seed in (0, 1, 2):
-        on = np.array(curves[f"surrogate=True,seed={seed}"])
-        off = np.array(curves[f"surrogate=False,seed={seed}"])
-        target = off[-1]
-        hit = np.nonzero(on <= target + 1e-12)[0]
-        finals[f"seed{seed}"] = {"without": float(off[-1]), "with": float(on[-1]),
-                                 "evals_with_surrogate_to_reach_final_without": int(hit[0]) + 1 if hit.size else None,
-                                 "evals_without": len(off)}
-    return {"n_trials": n_trials, "curves": curves, "summary": finals}
+        off = np.array(curves[f"without,seed={seed}"])
+        finals[f"seed{seed}"] = {"evals_without": len(off)}
+        for arm in CURVE_ARMS:
+            c = np.array(curves[f"{arm},seed={seed}"])
+            finals[f"seed{seed}"][arm] = float(c[-1])
+            if arm != "without":
+                hit = np.nonzero(c <= off[-1] + 1e-12)[0]
+                finals[f"seed{seed}"][f"evals_{arm}_to_reach_final_without"] = int(hit[0]) + 1 if hit.size else None
+    return {"n_trials": n_trials, "arms": {k: {kk: v for kk, v in o.items()} for k, o in CURVE_ARMS.items()},
+            "curves": curves, "summary": finals}
 
 
 def main() -> None:

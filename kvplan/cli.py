@@ -63,6 +63,10 @@ def _cmd_search(args) -> int:
         extra["profile_head_units"] = args.head_profile
     if args.key_correction_rank is not None:
         extra["key_correction_rank"] = args.key_correction_rank
+    if args.rotation is not None:
+        extra["rotation"] = args.rotation
+    if args.no_pre_rope_keys:
+        extra["key_pre_rope"] = False
     result = search(model=args.model, budget=budgets, granularity=args.granularity, n_trials=args.trials,
                     seed=args.seed, storage=args.storage, study_name=args.study_name, out=args.out,
                     scorer=scorer, heldout_scorer=heldout, pareto=args.pareto, surrogate=not args.no_surrogate,
@@ -152,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let 2-bit key slots also store a rank-R HeadQ-style correction of their error in "
                         "per-head query bases learned on the calibration samples (default: "
                         "kvplan.search.DEFAULT_KEY_CORRECTION_RANK; 0 = off)")
+    s.add_argument("--rotation", choices=["none", "hadamard"], default=None,
+                   help="rotate quantized K and V by a Hadamard matrix before quantizing (default: hadamard when "
+                        "head_dim is a power of two)")
+    s.add_argument("--no-pre-rope-keys", action="store_true",
+                   help="quantize keys as the model caches them (after RoPE) instead of rotated back to the "
+                        "pre-RoPE frame")
     s.add_argument("--out", default="plan.yaml", help="plan file to write (atomically); history saved beside it")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=_cmd_search)

@@ -202,6 +202,10 @@ def render_text(rep: dict) -> str:
         L.append(f"key correction: key slots marked 'correct' also store a rank-{q['key_correction_rank']} "
                  f"{q['key_correction_bits']}-bit code of their error in per-head query bases learned on the "
                  "calibration data (HeadQ-style)")
+    rot = [w for w, on in (("a Hadamard rotation of quantized K and V", q.get("rotation") == "hadamard"),
+                           ("keys rotated back to the pre-RoPE frame", q.get("key_pre_rope"))) if on]
+    if rot:
+        L.append(f"rotations before quantization (undone on read, no bpv): {' and '.join(rot)}")
     b = rep["budget"]
     mix = ", ".join(f"{k} {v:.1%}" for k, v in b["reference"]["modality_mix"].items())
     L.append("")

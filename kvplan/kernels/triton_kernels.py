@@ -730,10 +730,12 @@ def packed_decode_attention(
     that share heads, plus one for the residual, all writing split-softmax partials into one
     buffer; a log-sum-exp merge in torch finishes. ``split_len`` / ``block_n`` override the
     tokens per program / per inner step (tests use small values to exercise many splits).
-    Key blocks with a key correction code go to the chunked PyTorch kernel instead.
+    Key blocks with a key correction code, and blocks stored rotated (``quantizer.rotation`` /
+    ``key_pre_rope``), go to the chunked PyTorch kernel instead.
     """
-    if any(getattr(b, "correction", None) is not None for kbs in key_blocks for b in kbs):
-        # this kernel does not read key correction codes yet: the chunked PyTorch kernel does
+    if (any(getattr(b, "correction", None) is not None for kbs in key_blocks for b in kbs)
+            or any(getattr(b, "rotation", None) is not None for bs in (*key_blocks, *value_blocks) for b in bs)):
+        # this kernel does not read key correction codes or rotated blocks yet: the chunked PyTorch kernel does
         from .attention_chunked import chunked_decode_attention
 
         return chunked_decode_attention(q, key_blocks, value_blocks, key_residual, value_residual, attn_mask,

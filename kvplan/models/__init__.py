@@ -3,5 +3,7 @@
 from .geometry import Geometry
 from .loading import DEFAULT_MODEL, load_model
 from .modality import TEXT, VISUAL, labels_from_input_ids, visual_token_ids
+from .rope import rope_inv_freq
 
-__all__ = ["DEFAULT_MODEL", "TEXT", "VISUAL", "Geometry", "labels_from_input_ids", "load_model", "visual_token_ids"]
+__all__ = ["DEFAULT_MODEL", "TEXT", "VISUAL", "Geometry", "labels_from_input_ids", "load_model", "rope_inv_freq",
+           "visual_token_ids"]

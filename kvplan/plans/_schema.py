@@ -25,6 +25,7 @@ SCHEMA_VERSION = 1
 KINDS = ("k", "v")
 AXES = ("channel", "token")
 CORRECTION_BITS = (2, 3, 4, 8)
+ROTATIONS = ("none", "hadamard")  # quantizer.rotation (see kvplan.kernels.rotation)
 # format code of a key slot stored at ``b`` bits with the key correction: ``b + CORRECTED``
 # (``Plan.code_table``); plain bits are codes below it
 CORRECTED = 100
@@ -92,6 +93,10 @@ class QuantizerSettings:
     # rank-r code of their quantization error in the plan's per-head query basis
     key_correction_rank: int = 0  # r; 0 = off
     key_correction_bits: int = 4  # bits of the correction code (channel axis, same token groups as the keys)
+    # orthogonal rotations before quantization, undone on read (kvplan.kernels.rotation); plan
+    # constants, so they cost no bpv
+    rotation: str = "none"  # "hadamard": quantized K and V times a Hadamard matrix (power-of-two head_dim)
+    key_pre_rope: bool = False  # quantized keys rotated back to the pre-RoPE frame (needs Plan.rope_inv_freq)
 
     def __post_init__(self):
         _choice(self.group_size, "quantizer.group_size", GROUP_SIZES)
@@ -101,6 +106,9 @@ class QuantizerSettings:
         _int(self.sink_length, "quantizer.sink_length", 0)
         _int(self.key_correction_rank, "quantizer.key_correction_rank", 0)
         _choice(self.key_correction_bits, "quantizer.key_correction_bits", CORRECTION_BITS)
+        _choice(self.rotation, "quantizer.rotation", ROTATIONS)
+        if not isinstance(self.key_pre_rope, bool):
+            raise PlanError("quantizer.key_pre_rope", "must be true or false", self.key_pre_rope)
         if self.key_correction_rank and self.key_axis != "channel":
             raise PlanError("quantizer.key_correction_rank", "needs key_axis 'channel' (the correction code shares "
                             "the keys' token groups)", self.key_correction_rank)
@@ -239,9 +247,13 @@ class Plan:
     metrics: Mapping[str, Any] = field(default_factory=dict)
     name: str | None = None
     key_basis: KeyBasis | None = None  # required when quantizer.key_correction_rank > 0
+    # the model's RoPE inverse frequencies [d/2], d <= head_dim; required when quantizer.key_pre_rope
+    rope_inv_freq: tuple[float, ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "modalities", tuple(self.modalities))
+        if self.rope_inv_freq is not None:
+            object.__setattr__(self, "rope_inv_freq", tuple(float(f) for f in self.rope_inv_freq))
         object.__setattr__(self, "rules", tuple(self.rules))
         if self.key_basis is not None and not isinstance(self.key_basis, KeyBasis):
             object.__setattr__(self, "key_basis", KeyBasis(self.key_basis))
@@ -347,6 +359,8 @@ class Plan:
                 **({"key_correction_rank": self.quantizer.key_correction_rank,
                     "key_correction_bits": self.quantizer.key_correction_bits}
                    if self.quantizer.key_correction_rank else {}),
+                **({"rotation": self.quantizer.rotation} if self.quantizer.rotation != "none" else {}),
+                **({"key_pre_rope": True} if self.quantizer.key_pre_rope else {}),
             },
             "bits": {"default": default, "rules": rules},
             "budget": {
@@ -368,6 +382,8 @@ class Plan:
         }
         if self.name is None:
             del d["name"]
+        if self.rope_inv_freq is not None:
+            d["rope_inv_freq"] = list(self.rope_inv_freq)
         if self.key_basis is not None:
             d["key_basis"] = self.key_basis.to_dict()
         return d
@@ -558,11 +574,37 @@ def _validate_semantics(p: Plan) -> None:
         if p.key_basis.shape != want:
             raise PlanError("key_basis.shape", f"must be [num_layers, num_kv_heads, head_dim, key_correction_rank] = "
                             f"{list(want)}", list(p.key_basis.shape))
+    if p.quantizer.rotation == "hadamard" and g.head_dim & (g.head_dim - 1):
+        raise PlanError("quantizer.rotation", f"'hadamard' needs a power-of-two head_dim; the model's is {g.head_dim}",
+                        p.quantizer.rotation)
+    if p.quantizer.key_pre_rope and p.rope_inv_freq is None:
+        raise PlanError("rope_inv_freq", "missing: quantizer.key_pre_rope is true, so the plan must carry the "
+                        "model's RoPE inverse frequencies", show_value=False)
+    if p.rope_inv_freq is not None:
+        if not p.quantizer.key_pre_rope:
+            raise PlanError("rope_inv_freq", "given but quantizer.key_pre_rope is false", show_value=False)
+        n = len(p.rope_inv_freq)
+        if not 1 <= n <= g.head_dim // 2:
+            raise PlanError("rope_inv_freq", f"has {n} entries; must have 1 .. head_dim / 2 = {g.head_dim // 2}",
+                            show_value=False)
+        for i, f in enumerate(p.rope_inv_freq):
+            if not (math.isfinite(f) and f > 0):
+                raise PlanError(f"rope_inv_freq[{i}]", "must be a positive finite number", f)
+
+
+def _rope_inv_freq(v) -> tuple[float, ...]:
+    if not isinstance(v, list) or not v:
+        raise PlanError("rope_inv_freq", "must be a non-empty list of numbers", v)
+    for i, f in enumerate(v):
+        if not _is_num(f):
+            raise PlanError(f"rope_inv_freq[{i}]", "must be a number", f)
+    return tuple(float(f) for f in v)
 
 
 def _plan_from_dict(d) -> Plan:
     _check_keys(d, "", ["schema_version", "model", "bits"],
-                ["name", "modalities", "quantizer", "budget", "provenance", "metrics", "key_basis"])
+                ["name", "modalities", "quantizer", "budget", "provenance", "metrics", "key_basis",
+                 "rope_inv_freq"])
     ver = d["schema_version"]
     if not _is_int(ver):
         raise PlanError("schema_version", "must be an integer", ver)
@@ -605,7 +647,8 @@ def _plan_from_dict(d) -> Plan:
 
     q = d.get("quantizer", {})
     _check_keys(q, "quantizer", [], ["group_size", "key_axis", "value_axis", "residual_length",
-                                         "sink_length", "key_correction_rank", "key_correction_bits"])
+                                         "sink_length", "key_correction_rank", "key_correction_bits", "rotation",
+                                         "key_pre_rope"])
     quantizer = QuantizerSettings(**q)
 
     b = d["bits"]
@@ -682,7 +725,8 @@ def _plan_from_dict(d) -> Plan:
     plan = Plan(geometry=geometry, modalities=tuple(modalities), quantizer=quantizer, default_bits=default,
                 rules=tuple(rules), target_bpv=target, reference=reference, provenance=provenance,
                 metrics=metrics, name=name,
-                key_basis=KeyBasis.from_dict(d["key_basis"]) if "key_basis" in d else None)
+                key_basis=KeyBasis.from_dict(d["key_basis"]) if "key_basis" in d else None,
+                rope_inv_freq=_rope_inv_freq(d["rope_inv_freq"]) if "rope_inv_freq" in d else None)
     stated = budget.get("bpv")
     if stated is not None:
         _check_keys(stated, "budget.bpv", [], ["total", "payload", "scales_zeros", "residual", "correction"])

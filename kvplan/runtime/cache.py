@@ -23,11 +23,21 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..errors import CacheError, PlanError
 from ..models.geometry import Geometry
 from ..kernels import FULL_PRECISION_BITS
+from ..kernels.rotation import Rotation, hadamard_matrix
 from ..plans import KINDS, Plan, committed_length, split_codes, stored_runs
 from .fused import MAX_FUSED_QUERY, mark_pending
 from .storage import PackedBlock, Segment
 
 TEXT = "text"
+
+
+def plan_rotations(plan: Plan, device) -> dict[str, Rotation | None]:
+    """The write/read rotation of quantized Keys and Values under ``plan`` (``None``: none)."""
+    q = plan.quantizer
+    H = hadamard_matrix(plan.geometry.head_dim, device) if q.rotation == "hadamard" else None
+    inv_freq = (torch.tensor(plan.rope_inv_freq, dtype=torch.float32, device=device) if q.key_pre_rope else None)
+    return {"k": None if H is None and inv_freq is None else Rotation(H, inv_freq),
+            "v": None if H is None else Rotation(H)}
 
 
 class KVPlanLayer(CacheLayerMixin):
@@ -56,6 +66,7 @@ class KVPlanLayer(CacheLayerMixin):
         self.residual_labels: list[str] = []
         self.committed = 0
         self.key_basis: torch.Tensor | None = None  # [H_kv, D, r] fp32 when the plan corrects keys
+        self.rotation: dict[str, Rotation | None] = {"k": None, "v": None}  # per kind, quantized blocks only
 
     # ------------------------------------------------------------------ Cache layer API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -73,6 +84,7 @@ class KVPlanLayer(CacheLayerMixin):
         # key correction basis of this layer: fp32 [H_kv, D, r] on the cache's device
         self.key_basis = (None if basis is None else
                           torch.from_numpy(basis.array[self.layer_idx].astype("float32")).to(self.device))
+        self.rotation = plan_rotations(self.owner.plan, self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -212,7 +224,7 @@ class KVPlanLayer(CacheLayerMixin):
                     bits, corrected = split_codes(code)
                     basis = self.key_basis[list(heads)] if corrected else None
                     blocks.append(PackedBlock.encode(xh, heads, bits, q.axis(kind), q.group_size, start, basis,
-                                                     q.key_correction_bits))
+                                                     q.key_correction_bits, self.rotation[kind]))
                 segs = self.segments[kind]
                 if (segs and segs[-1].modality == label and segs[-1].start + segs[-1].length == start
                         and [b.layout() for b in segs[-1].blocks] == [b.layout() for b in blocks]):

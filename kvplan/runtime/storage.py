@@ -8,6 +8,11 @@ distinct quantizer setting, so heads of one layer can have different bits.
 Key correction (HeadQ-style): a quantized key block may carry ``correction``, a nested
 channel-axis block holding ``ẑ ≈ Uᵀ (k - k̂)`` per token ``[B, h, T, r]`` in the same token
 groups, and ``basis`` ``U [h, D, r]`` (from the plan). Reads return ``k̂ + U ẑ``.
+
+Rotations (``quantizer.rotation`` / ``key_pre_rope``, :mod:`kvplan.kernels.rotation`): a
+quantized block may carry ``rotation``; its codes then hold ``forward(x, position)`` and reads
+return ``inverse(x̂, position)``, ``position`` being the cache index of the block's first token.
+The key correction, when present, codes the error left after the inverse rotation.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from ..kernels import FULL_PRECISION_BITS
 from ..kernels import dequantize as _dequantize
 from ..kernels import dequantize_into as _dequantize_into
 from ..kernels import quantize as _quantize
+from ..kernels.rotation import Rotation
 
 
 @dataclass
@@ -46,21 +52,27 @@ class PackedBlock:
     zero: torch.Tensor | None = None
     correction: "PackedBlock | None" = None  # key correction code [B, h, T, r]
     basis: torch.Tensor | None = None  # fp32 [h, D, r], read-only (the plan's, not cache bytes)
+    position: int = 0  # cache index of the first token (what a rotation is keyed on)
+    rotation: Rotation | None = None  # codes hold rotation.forward(x) (plan constant, not cache bytes)
 
     @classmethod
     def encode(cls, x: torch.Tensor, heads, bits, axis, group_size, start: int, basis: torch.Tensor | None = None,
-               correction_bits: int = 4) -> "PackedBlock":
+               correction_bits: int = 4, rotation: Rotation | None = None) -> "PackedBlock":
         """Quantize ``x [B, h, T, D]`` (tokens starting at absolute position ``start``).
 
-        With ``basis`` (``[h, D, r]``, channel axis only) the block also stores the key
-        correction: ``Uᵀ (x - x̂)`` quantized at ``correction_bits`` in the same token groups.
+        With ``rotation`` the codes hold ``rotation.forward(x, start)`` (full-precision blocks
+        are stored as they are). With ``basis`` (``[h, D, r]``, channel axis only) the block
+        also stores the key correction: ``Uᵀ (x - x̂)`` quantized at ``correction_bits`` in the
+        same token groups, ``x̂`` being the read after the inverse rotation.
         """
         T, D = x.shape[-2], x.shape[-1]
         offset = start % group_size if axis == "channel" else 0
         if bits == FULL_PRECISION_BITS:
-            return cls(tuple(heads), bits, axis, group_size, 0, T, D, x.contiguous())
-        codes, scale, zero = _quantize(x, bits, group_size, axis, offset)
-        block = cls(tuple(heads), bits, axis, group_size, offset, T, D, codes, scale, zero)
+            return cls(tuple(heads), bits, axis, group_size, 0, T, D, x.contiguous(), position=start)
+        codes, scale, zero = _quantize(x if rotation is None else rotation.forward(x, start), bits, group_size, axis,
+                                       offset)
+        block = cls(tuple(heads), bits, axis, group_size, offset, T, D, codes, scale, zero, position=start,
+                    rotation=rotation)
         if basis is not None:
             if axis != "channel":
                 raise ValueError("the key correction needs channel-axis blocks")
@@ -71,8 +83,13 @@ class PackedBlock:
         return block
 
     def _decode_base(self, dtype: torch.dtype) -> torch.Tensor:
-        return _dequantize(self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
-                           self.head_dim, self.start_offset, dtype)
+        """The quantized tokens read back (inverse rotation applied), without the correction."""
+        if self.rotation is None:
+            return _dequantize(self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
+                               self.head_dim, self.start_offset, dtype)
+        y = _dequantize(self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis, self.head_dim,
+                        self.start_offset, torch.float32)
+        return self.rotation.inverse(y, self.position).to(dtype)
 
     def _correction_term(self) -> torch.Tensor:
         """``U ẑ`` per token: fp32 ``[B, h, T, D]``."""
@@ -90,8 +107,9 @@ class PackedBlock:
         """Write the dequantized tokens into ``out [B, h, T, D]`` (a view into a read buffer)."""
         if self.bits == FULL_PRECISION_BITS:
             return out.copy_(self.codes)
-        if self.correction is not None and out.dtype != torch.float32:
-            return out.copy_(self.decode(torch.float32))  # add the correction before rounding to out's dtype
+        if self.rotation is not None or (self.correction is not None and out.dtype != torch.float32):
+            # rotate back / add the correction in fp32, round to out's dtype once
+            return out.copy_(self.decode(torch.float32))
         _dequantize_into(out, self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
                          self.head_dim, self.start_offset)
         if self.correction is not None:
@@ -127,20 +145,22 @@ class PackedBlock:
         if a == 0 and b == self.length:
             return self
         codes = self.codes[:, :, a:b]
+        position = self.position + a
         if self.bits == FULL_PRECISION_BITS:
-            return replace(self, codes=codes, length=b - a)
+            return replace(self, codes=codes, length=b - a, position=position)
         if self.correction is not None:
             return replace(replace(self, correction=None).token_range(a, b),
                            correction=self.correction.token_range(a, b), basis=self.basis)
         if self.axis == "token":
-            return replace(self, codes=codes, scale=self.scale[:, :, a:b], zero=self.zero[:, :, a:b], length=b - a)
+            return replace(self, codes=codes, scale=self.scale[:, :, a:b], zero=self.zero[:, :, a:b], length=b - a,
+                           position=position)
         first = self.start_offset + a
         if a and first % self.group_size:
             raise ValueError(f"channel-axis token range must start on a group boundary (token {a}, offset "
                              f"{self.start_offset}, group {self.group_size})")
         g0, g1 = first // self.group_size, -(-(self.start_offset + b) // self.group_size)
         return replace(self, codes=codes, scale=self.scale[:, :, g0:g1], zero=self.zero[:, :, g0:g1],
-                       start_offset=first % self.group_size, length=b - a)
+                       start_offset=first % self.group_size, length=b - a, position=position)
 
     def token_chunks(self, chunk_tokens: int):
         """``(a, b, block)`` covering the tokens in order, ``chunk_tokens`` (a multiple of the
@@ -163,6 +183,8 @@ class PackedBlock:
         assert other.heads == self.heads and other.bits == self.bits and other.axis == self.axis
         assert self.axis != "channel" or other.start_offset == 0
         assert (self.correction is None) == (other.correction is None)
+        assert (self.rotation is None) == (other.rotation is None)
+        assert self.rotation is None or other.position == self.position + self.length, "tokens must follow on"
         self.codes = torch.cat([self.codes, other.codes], dim=2)
         if self.scale is not None:
             self.scale = torch.cat([self.scale, other.scale], dim=2)

@@ -17,7 +17,8 @@ The flow (one worker; several workers run the same loop on one shared study):
      surrogate is off: ``ask`` one trial, repair, evaluate, tell;
    - otherwise: ``ask`` ``n_candidates`` trials from TPE and make ``n_local`` mutations of
      the best plans found (raise/lower 1-3 groups); repair all; fit the random forest on
-     the COMPLETE trials; rank candidates by ``mean - kappa * std`` of predicted log-KL;
+     the COMPLETE trials (on log-KL minus the log of the profile's damage estimate, which it
+     adds back); rank candidates by ``mean - kappa * std`` of predicted log-KL;
      evaluate only the best ``top_k`` for real.
 
    **What Optuna is told.** A COMPLETE trial's params are always exactly the plan that was
@@ -59,6 +60,7 @@ from optuna.trial import TrialState
 
 from ..errors import KVPlanError
 from ..models.geometry import Geometry
+from ..models.rope import rope_inv_freq
 from ..plans import Plan, Provenance, Reference, atomic_write_text
 from ..surrogates import ForestSurrogate, PlanFeatures, log_kl
 from .budget import (
@@ -163,7 +165,7 @@ class _Searcher:
     def __init__(self, *, space: SearchSpace, reference: Reference, budgets: list[float], scorer: Scorer,
                  study: optuna.Study, seed: int, rng_seed: int, n_trials: int, surrogate: bool, n_candidates: int,
                  n_local: int, top_k: int, n_startup: int, kappa: float, persistent: bool, progress: bool,
-                 profile: dict | None, multi: bool = False):
+                 profile: dict | None, multi: bool = False, prior_offset: bool = True):
         self.space, self.reference, self.budgets, self.scorer = space, reference, budgets, scorer
         self.budget = max(budgets)  # the repair ceiling (every trial fits the loosest budget)
         self.multi = multi or len(budgets) > 1
@@ -180,6 +182,7 @@ class _Searcher:
         self.features = PlanFeatures(space.shape, space.modalities, with_prior=profile is not None)
         self.n_evals = 0
         self.bar = None
+        self.use_prior_offset = prior_offset
 
     # ---------------------------------------------------------------- bookkeeping
     def complete(self) -> list[optuna.trial.FrozenTrial]:
@@ -196,6 +199,13 @@ class _Searcher:
 
     def prior(self, levels) -> float:
         return float(self.damage[np.arange(len(levels)), levels].sum())
+
+    def _offset(self, items: list[tuple[np.ndarray, Any]]) -> np.ndarray | None:
+        """The surrogate's baseline: log of the profile's additive damage estimate (``None``
+        without a profile); the forest learns the rest (see :class:`ForestSurrogate`)."""
+        if self.profile is None or not self.use_prior_offset:
+            return None
+        return np.log(np.maximum([self.prior(lv) for lv, _ in items], 1e-12))
 
     def _features(self, items: list[tuple[np.ndarray, Any]]) -> np.ndarray:
         tables = np.stack([self.space.table_of_levels(lv) for lv, _ in items])
@@ -360,7 +370,7 @@ class _Searcher:
         done = self.complete()
         items = [(self.space.levels_of(t.params), self.space.quantizer_of(t.params)) for t in done]
         y = log_kl([t.values[0] for t in done])
-        sur = ForestSurrogate(seed=self.seed + len(done)).fit(self._features(items), y)
+        sur = ForestSurrogate(seed=self.seed + len(done)).fit(self._features(items), y, self._offset(items))
         seen = {_key(lv, q) for lv, q in items}
         cands: list[tuple[np.ndarray, Any, Any, str]] = []  # (levels, q, asked trial or None, source)
         asked = [self.ask() for _ in range(self.n_candidates)]
@@ -379,7 +389,8 @@ class _Searcher:
         chosen: set[int] = set()
         preds = np.zeros(len(uniq))
         if uniq:
-            order, preds = sur.rank(self._features([(c[0], c[1]) for c in uniq]), self.kappa)
+            pool = [(c[0], c[1]) for c in uniq]
+            order, preds = sur.rank(self._features(pool), self.kappa, self._offset(pool))
             chosen = set(int(i) for i in order[: self.top_k])
         chosen_ids = {id(uniq[i]) for i in chosen}
         evaluated_trials = set()
@@ -486,8 +497,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            bits: Sequence[int] = DEFAULT_BITS, group_sizes: Sequence[int] = DEFAULT_GROUP_SIZES,
            residual_lengths: Sequence[int] = DEFAULT_RESIDUAL_LENGTHS, key_axes: Sequence[str] = DEFAULT_KEY_AXES,
            sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS, key_correction_rank: int | None = None,
-           key_correction_bits: int = 4, pareto: bool = False, profile: bool | Mapping[str, float] = True,
+           key_correction_bits: int = 4, rotation: str | None = None, key_pre_rope: bool | None = None,
+           pareto: bool = False, profile: bool | Mapping[str, float] = True,
            profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
+           surrogate_offset: bool = True,
            n_candidates: int = 16, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
            worker: int | None = None, progress: bool = True) -> SearchResult:
     """Search a mixed-precision KV-cache plan under an honest bpv budget.
@@ -508,6 +521,14 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     ``calibration_sequences()``, as the built-in one has); the search decides which key slots
     use it, and the profile measures what it is worth. ``None`` (default):
     ``DEFAULT_KEY_CORRECTION_RANK`` when the scorer can provide calibration queries, else 0.
+    ``rotation``: ``"hadamard"`` / ``"none"`` for every searched plan (``None``: Hadamard when
+    head_dim is a power of two). ``key_pre_rope``: quantize keys rotated back to the pre-RoPE
+    frame with the model's RoPE frequencies (``None``: when the scorer's model has them); see
+    :mod:`kvplan.kernels.rotation`.
+
+    ``surrogate``: screen candidates with the random forest (``False``: every proposal is
+    evaluated). ``surrogate_offset``: the forest learns log-KL minus the log of the profile's
+    additive damage estimate instead of log-KL itself (see :class:`ForestSurrogate`).
 
     Returns a :class:`SearchResult`; ``result.plan`` is the exported plan.
     """
@@ -538,8 +559,18 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                               "learn the query bases from (the built-in harness scorer has both); pass "
                               "key_correction_rank=0 to search without the key correction")
         key_basis = query_basis(scorer.model, scorer.calibration_sequences(), key_correction_rank)
+    if rotation is None:
+        rotation = "none" if geometry.head_dim & (geometry.head_dim - 1) else "hadamard"
+    rope_model = getattr(scorer, "model", None) or (model if hasattr(model, "named_buffers") else None)
+    inv_freq = rope_inv_freq(rope_model) if rope_model is not None else None
+    if key_pre_rope is None:
+        key_pre_rope = inv_freq is not None
+    if key_pre_rope and inv_freq is None:
+        raise KVPlanError("key_pre_rope needs the model's RoPE frequencies: pass a loaded RoPE model (or a scorer "
+                          "with .model), or key_pre_rope=False")
     space = SearchSpace(geometry, modalities, granularity, bits, group_sizes, residual_lengths, key_axes,
-                        sink_lengths=sink_lengths, key_basis=key_basis, key_correction_bits=key_correction_bits)
+                        sink_lengths=sink_lengths, key_basis=key_basis, key_correction_bits=key_correction_bits,
+                        rotation=rotation, rope_inv_freq=inv_freq if key_pre_rope else None)
     bmodel = BpvModel(space, reference)
     for b in budgets:
         bmodel.check_budget(b)
@@ -598,7 +629,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     s = _Searcher(space=space, reference=reference, budgets=sorted(budgets), scorer=scorer, study=study, seed=seed,
                   rng_seed=sampler_seed, n_trials=n_trials, surrogate=surrogate, n_candidates=n_candidates,
                   n_local=n_local, top_k=top_k, n_startup=n_startup, kappa=kappa, persistent=persistent,
-                  progress=progress, profile=prof, multi=multi)
+                  progress=progress, profile=prof, multi=multi, prior_offset=surrogate_offset)
     s.enqueue_seeds(baselines)
     s.run()
 

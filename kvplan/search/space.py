@@ -71,7 +71,8 @@ class SearchSpace:
                  residual_lengths: Sequence[int] = DEFAULT_RESIDUAL_LENGTHS,
                  key_axes: Sequence[str] = DEFAULT_KEY_AXES, value_axis: str = "token",
                  sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS, pairs: Sequence[tuple[int, int]] = KVTUNER_PAIRS,
-                 key_basis=None, key_correction_bits: int = 4):
+                 key_basis=None, key_correction_bits: int = 4, rotation: str = "none",
+                 rope_inv_freq: Sequence[float] | None = None):
         if granularity not in GRANULARITIES:
             raise KVPlanError(f"granularity {granularity!r} is not one of {list(GRANULARITIES)}")
         bits = tuple(sorted(set(int(b) for b in bits)))
@@ -100,6 +101,11 @@ class SearchSpace:
         self.key_basis = None if key_basis is None else KeyBasis(key_basis)
         self.key_correction = {} if key_basis is None else {
             "key_correction_rank": self.key_basis.shape[-1], "key_correction_bits": key_correction_bits}
+        # rotations (kvplan.kernels.rotation): fixed for every plan of the space; keys in the
+        # pre-RoPE frame when the model's RoPE frequencies are given
+        self.rope_inv_freq = None if rope_inv_freq is None else tuple(float(f) for f in rope_inv_freq)
+        self.fixed_fields = {**self.key_correction, "rotation": rotation, "key_pre_rope": rope_inv_freq is not None}
+        QuantizerSettings(**self.fixed_fields)  # validates rotation
         self.groups: list[Group] = self._build_groups()
         self._slot_group = np.full(int(np.prod(self.shape)), -1, dtype=np.int64)
         for gi, g in enumerate(self.groups):
@@ -159,7 +165,7 @@ class SearchSpace:
     def quantizers(self) -> list[QuantizerSettings]:
         """Every plan-wide quantizer setting the space allows."""
         return [QuantizerSettings(group_size=g, key_axis=a, value_axis=self.value_axis, residual_length=r,
-                                  sink_length=s, **self.key_correction)
+                                  sink_length=s, **self.fixed_fields)
                 for g, a, r, s in itertools.product(self.group_sizes, self.key_axes, self.residual_lengths,
                                                     self.sink_lengths)]
 
@@ -188,7 +194,7 @@ class SearchSpace:
     def quantizer_of(self, params: Mapping) -> QuantizerSettings:
         choices = self.q_choices
         fields = {f: params.get(name, choices[name][0]) for name, f in Q_FIELDS.items()}
-        return QuantizerSettings(value_axis=self.value_axis, **fields, **self.key_correction)
+        return QuantizerSettings(value_axis=self.value_axis, **fields, **self.fixed_fields)
 
     def table_of_levels(self, levels: Sequence[int]) -> np.ndarray:
         flat = np.empty(int(np.prod(self.shape)), dtype=np.int64)
@@ -224,7 +230,7 @@ class SearchSpace:
     def contains_quantizer(self, q: QuantizerSettings) -> bool:
         return (q.value_axis == self.value_axis
                 and q.key_correction_rank == self.key_correction.get("key_correction_rank", 0)
-                and all(getattr(q, f) == v for f, v in self.key_correction.items())
+                and all(getattr(q, f) == v for f, v in self.fixed_fields.items())
                 and all(getattr(q, f) in self.q_choices[name] for name, f in Q_FIELDS.items()))
 
     def plan_of(self, params: Mapping, reference: Reference, **kwargs) -> Plan:
@@ -232,15 +238,18 @@ class SearchSpace:
         return self.plan_of_table(self.table_of(params), self.quantizer_of(params), reference, **kwargs)
 
     def plan_of_table(self, table, quantizer: QuantizerSettings, reference: Reference, **kwargs) -> Plan:
-        """Plan with these bits and quantizer settings (and the space's key correction basis)."""
+        """Plan with these bits and quantizer settings (and the space's key correction basis and
+        RoPE frequencies when the settings use them)."""
         return Plan.from_table(table, self.geometry, self.modalities, quantizer=quantizer, reference=reference,
-                               key_basis=self.key_basis if quantizer.key_correction_rank else None, **kwargs)
+                               key_basis=self.key_basis if quantizer.key_correction_rank else None,
+                               rope_inv_freq=self.rope_inv_freq if quantizer.key_pre_rope else None, **kwargs)
 
     def describe(self) -> dict:
         """JSON-able description (written beside exported plans)."""
         return {"granularity": self.granularity, "bits": list(self.bits), "group_sizes": list(self.group_sizes),
                 "residual_lengths": list(self.residual_lengths), "sink_lengths": list(self.sink_lengths),
                 "key_axes": list(self.key_axes), "key_correction": self._describe_correction(),
+                "rotation": self.fixed_fields["rotation"], "key_pre_rope": self.fixed_fields["key_pre_rope"],
                 "value_axis": self.value_axis, "modalities": list(self.modalities), "shape": list(self.shape),
                 "n_params": len(self.distributions()), "pairs": [list(p) for p in self.pairs]}
 

@@ -77,7 +77,7 @@ def test_search_uses_and_exports_the_correction(model, tmp_path):
     assert plan.bpv().correction > 0
     # explain reads the trial history, whose bit columns hold format codes (2 + CORRECTED = 102)
     txt = explain(out)
-    for needle in ("key correction: key slots marked", "+ key correction", "key correction on",
+    for needle in ("key correction: key slots marked", "+ key correction", "key correction on", "pre-RoPE frame",
                    "consensus importance"):
         assert needle in txt, needle
     rep = json.loads(explain(out, format="json"))
@@ -97,3 +97,21 @@ def test_default_rank_follows_the_scorer(model):
     assert with_queries.plan.quantizer.key_correction_rank == DEFAULT_KEY_CORRECTION_RANK > 0
     without = search(budget="2.6bpv", n_trials=3, scorer=SyntheticScorer(), out=None, profile=False, **FAST)
     assert without.plan.quantizer.key_correction_rank == 0 and without.plan.key_basis is None
+
+
+def test_rotations_follow_the_model_and_can_be_turned_off(model):
+    from kvplan.models import rope_inv_freq
+
+    on = search(budget="2.6bpv", n_trials=3, scorer=CorrectionScorer(model), out=None, profile=False, **FAST)
+    assert on.plan.quantizer.rotation == "hadamard" and on.plan.quantizer.key_pre_rope
+    assert on.plan.rope_inv_freq == rope_inv_freq(model)
+    off = search(budget="2.6bpv", n_trials=3, scorer=CorrectionScorer(model), out=None, profile=False,
+                 rotation="none", key_pre_rope=False, **FAST)
+    assert off.plan.quantizer.rotation == "none" and not off.plan.quantizer.key_pre_rope
+    assert off.plan.rope_inv_freq is None
+    # a scorer without a model: Hadamard still (head_dim 64), no pre-RoPE frame, asked for it fails
+    plain = search(budget="2.6bpv", n_trials=3, scorer=SyntheticScorer(), out=None, profile=False, **FAST)
+    assert plain.plan.quantizer.rotation == "hadamard" and not plain.plan.quantizer.key_pre_rope
+    with pytest.raises(KVPlanError, match="key_pre_rope=False"):
+        search(budget="2.6bpv", n_trials=3, scorer=SyntheticScorer(), out=None, profile=False, key_pre_rope=True,
+               **FAST)

@@ -46,6 +46,24 @@ def test_forest_surrogate_learns_and_ranks():
     assert y[100:][order[0]] <= np.median(y[100:])
 
 
+def test_forest_with_an_offset_predicts_below_what_it_has_seen():
+    # y = prior + small noise: a forest alone predicts no lower than its lowest target,
+    # one learning y - prior ranks an unseen, better-rated candidate first
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(60, 5))
+    prior = X[:, 0]
+    y = prior + 0.05 * rng.normal(size=60)
+    X_new = np.vstack([X[:3], [[y.min() - 2.0, 0, 0, 0, 0]]])
+    prior_new = X_new[:, 0]
+    plain = ForestSurrogate(seed=0).fit(X, y)
+    offset = ForestSurrogate(seed=0).fit(X, y, offset=prior)
+    assert plain.predict(X_new)[0][3] >= y.min() - 1e-9
+    mean, _ = offset.predict(X_new, offset=prior_new)
+    assert mean[3] < y.min() - 1.0
+    order, _ = offset.rank(X_new, offset=prior_new)
+    assert order[0] == 3
+
+
 def test_consensus_importance_finds_the_driver():
     rng = np.random.default_rng(0)
     X = rng.normal(size=(80, 6))

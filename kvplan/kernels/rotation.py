@@ -1,0 +1,87 @@
+"""Orthogonal rotations applied to K/V before quantization and undone on read.
+
+Both are constants of the plan (no per-token bytes, so the honest bpv does not change) and
+orthogonal, so a read undoes a write up to float rounding:
+
+- **Hadamard** (``quantizer.rotation: hadamard``): ``y = x H`` with the normalized Sylvester
+  Hadamard matrix ``H [D, D]`` (``H = Hᵀ = H⁻¹``; needs a power-of-two head_dim). It spreads a
+  few large channels over all of them, so a min/max grid per group wastes fewer levels
+  (QuaRot). Applied to quantized Keys and Values.
+- **Pre-RoPE frame for Keys** (``quantizer.key_pre_rope: true``): before the Hadamard, the key
+  at cache index ``t`` is rotated by ``-t`` with the model's RoPE frequencies ``inv_freq``
+  (rotate-half pairs ``(i, i + d/2)`` with ``d = 2 * len(inv_freq)``; channels past ``d`` are
+  left alone), undoing the position's rotation, so a channel no longer spins with the position
+  and a per-channel group over tokens sees a near-constant signal (KVQuant). The read rotates
+  by ``+t`` with the same ``t``, so the pair is exact whatever positions the model used (left
+  padding, multimodal RoPE); only the benefit depends on matching the model's frequencies.
+
+Order: write ``y = R(-t) k`` then ``y H``; read ``ŷ Hᵀ`` then ``R(t)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["Rotation", "hadamard_matrix", "rope_rotate"]
+
+
+def hadamard_matrix(n: int, device=None) -> torch.Tensor:
+    """Normalized Sylvester Hadamard matrix ``[n, n]`` (fp32, symmetric, its own inverse)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(n)).to(device=device, dtype=torch.float32)
+
+
+def rope_rotate(x: torch.Tensor, position: int, inv_freq: torch.Tensor, sign: float) -> torch.Tensor:
+    """Rotate ``x [..., T, D]`` (fp32) by ``sign * t * inv_freq`` for ``t = position ..
+    position + T - 1`` on the rotate-half pairs of its first ``2 * len(inv_freq)`` channels."""
+    T = x.shape[-2]
+    half = inv_freq.shape[0]
+    t = torch.arange(position, position + T, device=x.device, dtype=torch.float64)
+    angle = torch.outer(t, inv_freq.to(torch.float64))  # [T, d/2]
+    cos, sin = angle.cos().to(x.dtype), (sign * angle.sin()).to(x.dtype)
+    a, b = x[..., :half], x[..., half : 2 * half]
+    out = x.clone()
+    out[..., :half] = a * cos - b * sin
+    out[..., half : 2 * half] = b * cos + a * sin
+    return out
+
+
+class Rotation:
+    """The write/read transform of one kind (K or V) of one cache.
+
+    ``hadamard``: fp32 ``[D, D]`` or ``None``; ``inv_freq``: fp32 ``[d/2]`` (keys in the pre-RoPE
+    frame) or ``None``. Tensors live on the cache's device.
+    """
+
+    def __init__(self, hadamard: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None):
+        if hadamard is None and inv_freq is None:
+            raise ValueError("a Rotation needs a Hadamard matrix, RoPE frequencies, or both")
+        self.hadamard, self.inv_freq = hadamard, inv_freq
+
+    def forward(self, x: torch.Tensor, position: int) -> torch.Tensor:
+        """``x [B, h, T, D]`` of tokens from cache index ``position`` -> rotated fp32."""
+        y = x.float()
+        if self.inv_freq is not None:
+            y = rope_rotate(y, position, self.inv_freq, -1.0)
+        if self.hadamard is not None:
+            y = y @ self.hadamard
+        return y
+
+    def inverse(self, y: torch.Tensor, position: int) -> torch.Tensor:
+        """Undo :meth:`forward`: fp32 ``[B, h, T, D]``."""
+        x = y.float()
+        if self.hadamard is not None:
+            x = x @ self.hadamard  # H is symmetric and orthogonal: its own inverse
+        if self.inv_freq is not None:
+            x = rope_rotate(x, position, self.inv_freq, 1.0)
+        return x
+
+    def to(self, device) -> "Rotation":
+        return Rotation(None if self.hadamard is None else self.hadamard.to(device),
+                        None if self.inv_freq is None else self.inv_freq.to(device))
