@@ -146,9 +146,10 @@ CURVE_ARMS = {"with": dict(surrogate=True, surrogate_offset=True),
               "without": dict(surrogate=False)}
 
 
-def curve(side: dict, cal, budget: float, n_trials: int) -> dict:
+def curve(side: dict, cal, budget: float, n_trials: int, arms: list[str]) -> dict:
     curves, finals = {}, {}
-    for arm, opts in CURVE_ARMS.items():
+    arms = {a: CURVE_ARMS[a] for a in arms}
+    for arm, opts in arms.items():
         for seed in (0, 1, 2):
             t = time.time()
             r = search(budget=budget, n_trials=n_trials, seed=seed, scorer=cal, out=None, profile=side["profile"],
@@ -158,13 +159,13 @@ def curve(side: dict, cal, budget: float, n_trials: int) -> dict:
     for seed in (0, 1, 2):
         off = np.array(curves[f"without,seed={seed}"])
         finals[f"seed{seed}"] = {"evals_without": len(off)}
-        for arm in CURVE_ARMS:
+        for arm in arms:
             c = np.array(curves[f"{arm},seed={seed}"])
             finals[f"seed{seed}"][arm] = float(c[-1])
             if arm != "without":
                 hit = np.nonzero(c <= off[-1] + 1e-12)[0]
                 finals[f"seed{seed}"][f"evals_{arm}_to_reach_final_without"] = int(hit[0]) + 1 if hit.size else None
-    return {"n_trials": n_trials, "arms": {k: {kk: v for kk, v in o.items()} for k, o in CURVE_ARMS.items()},
+    return {"n_trials": n_trials, "arms": arms,
             "curves": curves, "summary": finals}
 
 
@@ -173,6 +174,8 @@ def main() -> None:
     ap.add_argument("plan")
     ap.add_argument("--part", choices=["quality", "curve", "all"], default="all")
     ap.add_argument("--curve-trials", type=int, default=None, help="default: the plan's own trial count")
+    ap.add_argument("--curve-arms", nargs="+", choices=list(CURVE_ARMS), default=["with", "without"],
+                    help="search variants to compare (forest_only: the forest without the profile offset)")
     ap.add_argument("--out", default="bench/results/search_quality.json")
     a = ap.parse_args()
     t0 = time.time()
@@ -195,7 +198,7 @@ def main() -> None:
                       f"{res['quality']['ratios'][name]:.3f}", flush=True)
         print(f"searched {res['quality']['searched']['bpv']:.3f} bpv KL {res['quality']['searched']['kl']:.4f}")
     if a.part in ("curve", "all"):
-        res["curve"] = curve(side, cal, budget, a.curve_trials or int(s.get("n_trials", 60)))
+        res["curve"] = curve(side, cal, budget, a.curve_trials or int(s.get("n_trials", 60)), a.curve_arms)
         print(json.dumps(res["curve"]["summary"], indent=1))
     res.setdefault("seconds", {})[a.part] = time.time() - t0
     atomic_write_text(a.out, json.dumps(res, indent=1, default=float))

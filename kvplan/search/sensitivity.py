@@ -53,10 +53,11 @@ def profile_units(space: SearchSpace) -> dict[str, np.ndarray]:
 
 def profile_quantizer(space: SearchSpace) -> QuantizerSettings:
     """Setting the profile is measured at: the largest group size and the shortest residual
-    (every history token quantized, the clearest signal)."""
+    (every history token quantized, the clearest signal), with the space's fixed codec
+    settings (key correction, rotations) so it measures the codec the plans will use."""
     return QuantizerSettings(group_size=space.group_sizes[-1], key_axis=space.key_axes[0],
                              value_axis=space.value_axis, residual_length=space.residual_lengths[0],
-                             **space.key_correction)
+                             **space.fixed_fields)
 
 
 def head_units(space: SearchSpace, profile: Mapping[str, float], n_units: int) -> dict[str, np.ndarray]:

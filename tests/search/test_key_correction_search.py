@@ -99,12 +99,26 @@ def test_default_rank_follows_the_scorer(model):
     assert without.plan.quantizer.key_correction_rank == 0 and without.plan.key_basis is None
 
 
+class RecordingScorer(CorrectionScorer):
+    def __init__(self, model, **kw):
+        super().__init__(model, **kw)
+        self.scored = []
+
+    def __call__(self, plan):
+        self.scored.append(plan)
+        return super().__call__(plan)
+
+
 def test_rotations_follow_the_model_and_can_be_turned_off(model):
     from kvplan.models import rope_inv_freq
 
-    on = search(budget="2.6bpv", n_trials=3, scorer=CorrectionScorer(model), out=None, profile=False, **FAST)
+    sc = RecordingScorer(model)
+    on = search(budget="2.6bpv", n_trials=3, scorer=sc, out=None, profile_head_units=2, **FAST)
     assert on.plan.quantizer.rotation == "hadamard" and on.plan.quantizer.key_pre_rope
     assert on.plan.rope_inv_freq == rope_inv_freq(model)
+    # every plan scored, the sensitivity profile's included, uses the codec the plans will use
+    assert len(sc.scored) == on.n_profile_evals + on.n_real_evals > on.n_real_evals
+    assert all(p.quantizer.rotation == "hadamard" and p.quantizer.key_pre_rope for p in sc.scored)
     off = search(budget="2.6bpv", n_trials=3, scorer=CorrectionScorer(model), out=None, profile=False,
                  rotation="none", key_pre_rope=False, **FAST)
     assert off.plan.quantizer.rotation == "none" and not off.plan.quantizer.key_pre_rope
