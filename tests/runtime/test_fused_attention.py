@@ -2,7 +2,6 @@
 the fused Triton kernel (CPU: Triton interpreter)."""
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -12,15 +11,7 @@ from kvplan import Geometry, baseline_plan, uniform_plan
 from tests.tiny_models import llava_onevision_inputs, tiny_llama, tiny_llava_onevision
 
 
-def _triton_runs() -> bool:
-    from kvplan.kernels import triton_available
-
-    return triton_available() and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-needs_triton = pytest.mark.skipif(not _triton_runs(), reason="needs Triton with CUDA or TRITON_INTERPRET=1 "
-                                  "(tests/conftest.py sets it without a GPU)")
-KERNELS = [pytest.param("chunked", id="chunked"), pytest.param("triton", id="triton", marks=needs_triton)]
+from tests.runtime.routes import KERNELS
 
 
 def _mixed_plan(geometry):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from kvplan import Geometry, uniform_plan
 from kvplan.plans import CORRECTED
 from kvplan.runtime.storage import PackedBlock
 from kvplan.search import query_basis
+from tests.runtime.routes import KERNELS, generate_like_dequantize
 from tests.tiny_models import tiny_llama
 
 
@@ -71,31 +71,14 @@ def _corrected(plan, model, rank, which=None):
     return plan.with_table(codes, quantizer=q, key_basis=basis)
 
 
-def _triton_runs() -> bool:
-    from kvplan.kernels import triton_available
-
-    return triton_available() and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-@pytest.mark.parametrize("attention", ["chunked", pytest.param("triton", marks=pytest.mark.skipif(
-    not _triton_runs(), reason="needs Triton with CUDA or TRITON_INTERPRET=1"))])
+@pytest.mark.parametrize("attention", KERNELS)
 def test_generation_with_corrected_keys_on_every_route(attention):
     model = tiny_llama()
     g = Geometry.of(model)
     which = np.zeros((g.num_layers, g.num_kv_heads, 1), dtype=bool)
     which[:, 1] = True  # KV head 1 corrected, head 0 not: two kinds of key blocks in one layer
     plan = _corrected(uniform_plan(g, 2, 4, residual_length=8, group_size=32), model, 4, which)
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12] * 6, [20, 21, 22, 23, 24, 25, 26, 27] * 6])
-    kvplan.load(model, plan, attention="dequantize")
-    ref = model.generate(input_ids=ids, max_new_tokens=40, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True)
-    kvplan.load(model, plan, attention=attention)
-    out = model.generate(input_ids=ids, max_new_tokens=40, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True)
-    kvplan.unload(model)
-    assert torch.equal(out.sequences, ref.sequences)
-    for a, b in zip(out.scores, ref.scores):
-        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    out, ref = generate_like_dequantize(model, plan, attention)
     parts = out.cache.nbytes_breakdown()
     assert parts == ref.cache.nbytes_breakdown()
     n_values = out.cache.num_values()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from kvplan import Geometry, uniform_plan
 from kvplan.kernels.rotation import Rotation, hadamard_matrix, rope_rotate
 from kvplan.models import rope_inv_freq
 from kvplan.runtime.storage import PackedBlock
+from tests.runtime.routes import KERNELS, generate_like_dequantize
 from tests.tiny_models import tiny_llama
 
 
@@ -74,29 +74,13 @@ def test_rope_inv_freq_is_the_models():
     assert rope_inv_freq(object()) is None
 
 
-def _triton_runs() -> bool:
-    from kvplan.kernels import triton_available
-
-    return triton_available() and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-@pytest.mark.parametrize("attention", ["chunked", pytest.param("triton", marks=pytest.mark.skipif(
-    not _triton_runs(), reason="needs Triton with CUDA or TRITON_INTERPRET=1"))])
+@pytest.mark.parametrize("attention", KERNELS)
 def test_generation_with_rotated_storage_on_every_route(attention):
     model = tiny_llama()
     g = Geometry.of(model)
     plan = _rotated(uniform_plan(g, 2, 4, residual_length=8, group_size=32), model)
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12] * 6, [20, 21, 22, 23, 24, 25, 26, 27] * 6])
-    kvplan.load(model, plan, attention="dequantize")
-    ref = model.generate(input_ids=ids, max_new_tokens=40, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True)
-    kvplan.load(model, plan, attention=attention)
-    out = model.generate(input_ids=ids, max_new_tokens=40, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True)
-    kvplan.unload(model)
-    assert torch.equal(out.sequences, ref.sequences)
-    for a, b in zip(out.scores, ref.scores):
-        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    out, _ = generate_like_dequantize(model, plan, attention)
+    assert any(b.rotation is not None for seg in out.cache.layers[0].segments["k"] for b in seg.blocks)
     # rotations are plan constants: the same bytes as the unrotated plan
     assert out.cache.bpv() == plan.bpv(context_len=out.cache.get_seq_length(), full_precision_bits=32).total
 

@@ -1,0 +1,37 @@
+"""Shared helpers: the attention routes a runtime test runs on, and one generation compared
+against the dequantize-then-attend route."""
+
+import os
+
+import pytest
+import torch
+
+import kvplan
+
+
+def triton_runs() -> bool:
+    from kvplan.kernels import triton_available
+
+    return triton_available() and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+needs_triton = pytest.mark.skipif(not triton_runs(), reason="needs Triton with CUDA or TRITON_INTERPRET=1 "
+                                  "(tests/conftest.py sets it without a GPU)")
+KERNELS = [pytest.param("chunked", id="chunked"), pytest.param("triton", id="triton", marks=needs_triton)]
+ROUTE_IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12] * 6, [20, 21, 22, 23, 24, 25, 26, 27] * 6])
+
+
+def generate_like_dequantize(model, plan, attention: str, ids=ROUTE_IDS, max_new_tokens: int = 40):
+    """Greedy generation under ``plan`` on ``attention`` and on the dequantize route; asserts
+    the same tokens and close scores, returns ``(out, ref)``."""
+    runs = {}
+    for route in ("dequantize", attention):
+        kvplan.load(model, plan, attention=route)
+        runs[route] = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                     output_scores=True, return_dict_in_generate=True)
+    kvplan.unload(model)
+    out, ref = runs[attention], runs["dequantize"]
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    return out, ref
