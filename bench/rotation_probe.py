@@ -32,7 +32,7 @@ def main() -> None:
              "Command: `python bench/rotation_probe.py` (method in the script's docstring).", "",
              "| plan (group 128, residual 0) | honest bpv | rotation | keys pre-RoPE | held-out KL [95% CI] |",
              "|---|---|---|---|---|"]
-    for kb, vb in ((2, 16), (16, 2), (2, 2), (3, 2)):
+    for kb, vb in ((2, 16), (16, 2), (2, 2), (3, 2), (4, 4)):
         base = uniform_plan(g, kb, vb, group_size=128, residual_length=0, modalities=held.modalities,
                             reference=held.reference)
         for rotation, pre_rope in (("none", False), ("none", True), ("hadamard", False), ("hadamard", True)):
