@@ -106,6 +106,9 @@ class SearchSpace:
         self.rope_inv_freq = None if rope_inv_freq is None else tuple(float(f) for f in rope_inv_freq)
         self.fixed_fields = {**self.key_correction, "rotation": rotation, "key_pre_rope": rope_inv_freq is not None}
         QuantizerSettings(**self.fixed_fields)  # validates rotation
+        if rotation == "hadamard" and geometry.head_dim & (geometry.head_dim - 1):
+            raise KVPlanError(f"rotation 'hadamard' needs a power-of-two head_dim; this model's is {geometry.head_dim} "
+                              "(use rotation='none')")
         self.groups: list[Group] = self._build_groups()
         self._slot_group = np.full(int(np.prod(self.shape)), -1, dtype=np.int64)
         for gi, g in enumerate(self.groups):

@@ -129,3 +129,10 @@ def test_rotations_follow_the_model_and_can_be_turned_off(model):
     with pytest.raises(KVPlanError, match="key_pre_rope=False"):
         search(budget="2.6bpv", n_trials=3, scorer=SyntheticScorer(), out=None, profile=False, key_pre_rope=True,
                **FAST)
+
+
+def test_hadamard_on_a_non_power_of_two_head_dim_fails_at_once():
+    g = Geometry(2, 2, 48, ("full",) * 2, "llama")
+    with pytest.raises(KVPlanError, match="power-of-two head_dim; this model's is 48"):
+        SearchSpace(g, MODS, "slot", rotation="hadamard")
+    assert SearchSpace(g, MODS, "slot").fixed_fields["rotation"] == "none"
