@@ -81,7 +81,3 @@ class Rotation:
         if self.inv_freq is not None:
             x = rope_rotate(x, position, self.inv_freq, 1.0)
         return x
-
-    def to(self, device) -> "Rotation":
-        return Rotation(None if self.hadamard is None else self.hadamard.to(device),
-                        None if self.inv_freq is None else self.inv_freq.to(device))
