@@ -148,7 +148,7 @@ CURVE_ARMS = {"with": dict(surrogate=True, surrogate_offset=True),
 
 def curve(side: dict, cal, budget: float, n_trials: int, arms: list[str]) -> dict:
     curves, finals = {}, {}
-    arms = {a: CURVE_ARMS[a] for a in arms}
+    arms = {a: CURVE_ARMS[a] for a in dict.fromkeys([*arms, "without"])}  # "without" is the reference
     for arm, opts in arms.items():
         for seed in (0, 1, 2):
             t = time.time()
