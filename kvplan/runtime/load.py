@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
+import warnings
 
 from ..errors import PlanError
 from ..models.geometry import Geometry
 from ..models.modality import labels_from_input_ids, visual_token_ids
+from ..models.rope import rope_inv_freq
 from ..plans import BASELINES, Plan, baseline_plan
 from .cache import KVPlanCache
 
@@ -30,7 +33,24 @@ def resolve_plan(plan, model_or_geometry) -> Plan:
     else:
         raise PlanError("plan", f"expected a Plan, a YAML file path or a baseline name {sorted(BASELINES)}", plan)
     resolved.check_geometry(geometry, source=source)
+    _check_rope(resolved, model_or_geometry, source)
     return resolved
+
+
+def _check_rope(plan: Plan, model, source: str | None) -> None:
+    """Warn when a plan quantizes keys in a pre-RoPE frame built for other RoPE frequencies:
+    reads stay exact (the same rotation is undone), only the accuracy gain is lost."""
+    if plan.rope_inv_freq is None:
+        return
+    theirs = rope_inv_freq(model)
+    if theirs is None:
+        return
+    if len(theirs) != len(plan.rope_inv_freq) or not all(
+            math.isclose(a, b, rel_tol=1e-5) for a, b in zip(theirs, plan.rope_inv_freq)):
+        warnings.warn(f"{source or 'plan'}: rope_inv_freq ({len(plan.rope_inv_freq)} values) differs from this "
+                      f"model's RoPE frequencies ({len(theirs)} values); keys are still read back exactly, but are "
+                      "quantized in a frame that does not undo this model's RoPE (less accurate than searched)",
+                      UserWarning, stacklevel=3)
 
 
 def _config(model_or_geometry):

@@ -105,3 +105,16 @@ def test_rotated_cache_reads_back_the_right_positions():
         errors[name] = float((torch.cat(steps, dim=1) - full).pow(2).mean())
     assert errors["rotated"] < 3 * errors["plain"] + 1e-6, errors
     assert errors["plain"] < 1e-3
+
+
+def test_load_warns_when_the_plans_rope_frequencies_are_not_the_models():
+    import warnings
+
+    model = tiny_llama()
+    plan = _rotated(uniform_plan(Geometry.of(model), 2, 4, residual_length=8, group_size=32), model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kvplan.make_cache(model, plan)  # the model's own frequencies: silent
+    other = plan.replace(rope_inv_freq=tuple(2 * f for f in plan.rope_inv_freq))
+    with pytest.warns(UserWarning, match="rope_inv_freq .* differs from this model's RoPE frequencies"):
+        kvplan.make_cache(model, other)
