@@ -24,12 +24,17 @@ import math
 
 import torch
 
-__all__ = ["Rotation", "hadamard_matrix", "rope_rotate"]
+__all__ = ["Rotation", "hadamard_fits", "hadamard_matrix", "rope_rotate"]
+
+
+def hadamard_fits(head_dim: int) -> bool:
+    """True when a Hadamard rotation exists for ``head_dim`` (a power of two)."""
+    return head_dim >= 1 and not head_dim & (head_dim - 1)
 
 
 def hadamard_matrix(n: int, device=None) -> torch.Tensor:
     """Normalized Sylvester Hadamard matrix ``[n, n]`` (fp32, symmetric, its own inverse)."""
-    if n < 1 or n & (n - 1):
+    if not hadamard_fits(n):
         raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, got {n}")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
@@ -37,14 +42,23 @@ def hadamard_matrix(n: int, device=None) -> torch.Tensor:
     return (h / math.sqrt(n)).to(device=device, dtype=torch.float32)
 
 
+def _cos_sin(start: int, stop: int, inv_freq: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``cos`` / ``sin`` of ``t * inv_freq`` for ``t = start .. stop - 1``: ``[T, d/2]`` each."""
+    t = torch.arange(start, stop, device=device, dtype=torch.float64)
+    angle = torch.outer(t, inv_freq.to(device=device, dtype=torch.float64))
+    return angle.cos().float(), angle.sin().float()
+
+
 def rope_rotate(x: torch.Tensor, position: int, inv_freq: torch.Tensor, sign: float) -> torch.Tensor:
     """Rotate ``x [..., T, D]`` (fp32) by ``sign * t * inv_freq`` for ``t = position ..
     position + T - 1`` on the rotate-half pairs of its first ``2 * len(inv_freq)`` channels."""
-    T = x.shape[-2]
-    half = inv_freq.shape[0]
-    t = torch.arange(position, position + T, device=x.device, dtype=torch.float64)
-    angle = torch.outer(t, inv_freq.to(torch.float64))  # [T, d/2]
-    cos, sin = angle.cos().to(x.dtype), (sign * angle.sin()).to(x.dtype)
+    cos, sin = _cos_sin(position, position + x.shape[-2], inv_freq, x.device)
+    return _rotate_pairs(x, cos, sign * sin)
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [..., T, D]`` with its rotate-half pairs turned by the angles of ``cos`` / ``sin [T, d/2]``."""
+    half = cos.shape[-1]
     a, b = x[..., :half], x[..., half : 2 * half]
     out = x.clone()
     out[..., :half] = a * cos - b * sin
@@ -63,12 +77,26 @@ class Rotation:
         if hadamard is None and inv_freq is None:
             raise ValueError("a Rotation needs a Hadamard matrix, RoPE frequencies, or both")
         self.hadamard, self.inv_freq = hadamard, inv_freq
+        # cos / sin of cache indices 0 .. n-1 ([n, d/2] fp32), grown by doubling: every read of
+        # the history needs them, so they are computed once, not per block and step
+        self._cos = self._sin = None
+
+    def _angles(self, position: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        stop = position + length
+        have = 0 if self._cos is None else self._cos.shape[0]
+        if stop > have:
+            n = max(stop, 2 * have, 1024)
+            cos, sin = _cos_sin(have, n, self.inv_freq, self.inv_freq.device)
+            self._cos = cos if self._cos is None else torch.cat([self._cos, cos])
+            self._sin = sin if self._sin is None else torch.cat([self._sin, sin])
+        return self._cos[position:stop], self._sin[position:stop]
 
     def forward(self, x: torch.Tensor, position: int) -> torch.Tensor:
         """``x [B, h, T, D]`` of tokens from cache index ``position`` -> rotated fp32."""
         y = x.float()
         if self.inv_freq is not None:
-            y = rope_rotate(y, position, self.inv_freq, -1.0)
+            cos, sin = self._angles(position, y.shape[-2])
+            y = _rotate_pairs(y, cos, -sin)
         if self.hadamard is not None:
             y = y @ self.hadamard
         return y
@@ -79,5 +107,6 @@ class Rotation:
         if self.hadamard is not None:
             x = x @ self.hadamard  # H is symmetric and orthogonal: its own inverse
         if self.inv_freq is not None:
-            x = rope_rotate(x, position, self.inv_freq, 1.0)
+            cos, sin = self._angles(position, x.shape[-2])
+            x = _rotate_pairs(x, cos, sin)
         return x

@@ -19,6 +19,7 @@ import yaml
 from .._version import __version__
 from ..errors import PlanError
 from ..kernels.qtypes import FULL_PRECISION_BITS, GROUP_SIZES, SUPPORTED_BITS
+from ..kernels.rotation import hadamard_fits
 from ..models.geometry import LAYER_TYPES, Geometry
 
 SCHEMA_VERSION = 1
@@ -253,11 +254,13 @@ class Plan:
     def __post_init__(self):
         object.__setattr__(self, "modalities", tuple(self.modalities))
         if self.rope_inv_freq is not None:
-            object.__setattr__(self, "rope_inv_freq", tuple(float(f) for f in self.rope_inv_freq))
+            object.__setattr__(self, "rope_inv_freq", tuple(self.rope_inv_freq))
         object.__setattr__(self, "rules", tuple(self.rules))
         if self.key_basis is not None and not isinstance(self.key_basis, KeyBasis):
             object.__setattr__(self, "key_basis", KeyBasis(self.key_basis))
         _validate_semantics(self)
+        if self.rope_inv_freq is not None:  # numbers, checked above
+            object.__setattr__(self, "rope_inv_freq", tuple(float(f) for f in self.rope_inv_freq))
 
     # ------------------------------------------------------------------ resolution
     def code_table(self) -> np.ndarray:
@@ -574,7 +577,7 @@ def _validate_semantics(p: Plan) -> None:
         if p.key_basis.shape != want:
             raise PlanError("key_basis.shape", f"must be [num_layers, num_kv_heads, head_dim, key_correction_rank] = "
                             f"{list(want)}", list(p.key_basis.shape))
-    if p.quantizer.rotation == "hadamard" and g.head_dim & (g.head_dim - 1):
+    if p.quantizer.rotation == "hadamard" and not hadamard_fits(g.head_dim):
         raise PlanError("quantizer.rotation", f"'hadamard' needs a power-of-two head_dim; the model's is {g.head_dim}",
                         p.quantizer.rotation)
     if p.quantizer.key_pre_rope and p.rope_inv_freq is None:
@@ -588,17 +591,17 @@ def _validate_semantics(p: Plan) -> None:
             raise PlanError("rope_inv_freq", f"has {n} entries; must have 1 .. head_dim / 2 = {g.head_dim // 2}",
                             show_value=False)
         for i, f in enumerate(p.rope_inv_freq):
+            if not _is_num(f):
+                raise PlanError(f"rope_inv_freq[{i}]", "must be a number", f)
             if not (math.isfinite(f) and f > 0):
                 raise PlanError(f"rope_inv_freq[{i}]", "must be a positive finite number", f)
 
 
-def _rope_inv_freq(v) -> tuple[float, ...]:
+def _rope_inv_freq(v) -> tuple:
+    """The YAML list as it is (its entries are checked with the rest of the plan)."""
     if not isinstance(v, list) or not v:
         raise PlanError("rope_inv_freq", "must be a non-empty list of numbers", v)
-    for i, f in enumerate(v):
-        if not _is_num(f):
-            raise PlanError(f"rope_inv_freq[{i}]", "must be a number", f)
-    return tuple(float(f) for f in v)
+    return tuple(v)
 
 
 def _plan_from_dict(d) -> Plan:

@@ -59,6 +59,7 @@ import optuna
 from optuna.trial import TrialState
 
 from ..errors import KVPlanError
+from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
 from ..models.rope import rope_inv_freq
 from ..plans import Plan, Provenance, Reference, atomic_write_text
@@ -560,7 +561,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                               "key_correction_rank=0 to search without the key correction")
         key_basis = query_basis(scorer.model, scorer.calibration_sequences(), key_correction_rank)
     if rotation is None:
-        rotation = "none" if geometry.head_dim & (geometry.head_dim - 1) else "hadamard"
+        rotation = "hadamard" if hadamard_fits(geometry.head_dim) else "none"
     rope_model = getattr(scorer, "model", None) or (model if hasattr(model, "named_buffers") else None)
     inv_freq = rope_inv_freq(rope_model) if rope_model is not None else None
     if key_pre_rope is None:

@@ -29,6 +29,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, IntD
 
 from ..errors import KVPlanError
 from ..kernels.qtypes import FULL_PRECISION_BITS, GROUP_SIZES, SUPPORTED_BITS
+from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
 from ..plans import CORRECTED, KINDS, KVTUNER_PAIRS, KeyBasis, Plan, Provenance, QuantizerSettings, Reference
 
@@ -106,7 +107,7 @@ class SearchSpace:
         self.rope_inv_freq = None if rope_inv_freq is None else tuple(float(f) for f in rope_inv_freq)
         self.fixed_fields = {**self.key_correction, "rotation": rotation, "key_pre_rope": rope_inv_freq is not None}
         QuantizerSettings(**self.fixed_fields)  # validates rotation
-        if rotation == "hadamard" and geometry.head_dim & (geometry.head_dim - 1):
+        if rotation == "hadamard" and not hadamard_fits(geometry.head_dim):
             raise KVPlanError(f"rotation 'hadamard' needs a power-of-two head_dim; this model's is {geometry.head_dim} "
                               "(use rotation='none')")
         self.groups: list[Group] = self._build_groups()
