@@ -88,7 +88,8 @@ def _cmd_search(args) -> int:
 def _cmd_explain(args) -> int:
     from .explain import explain
 
-    print(explain(args.plan, format=args.format, out_dir=args.figures, importance=not args.no_importance))
+    print(explain(args.plan, format=args.format, out_dir=args.figures, importance=not args.no_importance,
+                  context_lengths=args.context, batch_sizes=args.batch, html=args.html).rstrip("\n"))
     return 0
 
 
@@ -169,7 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser("explain", help="why a plan looks as it does: bpv, allocation, importance")
     x.add_argument("plan")
     x.add_argument("--format", default="text", choices=["text", "json"])
-    x.add_argument("--figures", metavar="DIR", help="write PNG figures into DIR")
+    x.add_argument("--figures", metavar="DIR", help="write PNG figures into DIR (as one set)")
+    x.add_argument("--html", metavar="FILE", help="write one self-contained HTML report (text, figures, provenance)")
+    x.add_argument("--context", type=int, nargs="+", metavar="TOKENS",
+                   help="context lengths of the memory table (default: 300 1000 1024 4096 32768 131072)")
+    x.add_argument("--batch", type=int, nargs="+", metavar="N", help="batch sizes of the memory table (default: 1)")
     x.add_argument("--no-importance", action="store_true", help="skip the (slower) importance analysis")
     x.set_defaults(func=_cmd_explain)
 

@@ -3,57 +3,205 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 
-from kvplan.explain import explain
-from kvplan.plans import uniform_plan
-from kvplan.search import search
-from tests.search.synthetic import GEOM, MODS, REF, SyntheticScorer
+from kvplan.errors import KVPlanError
+from kvplan.explain import FIGURE_NAMES, ExplainError, explain, write_figures
+from kvplan.explain._report import baseline_labels
+from kvplan.explain._sidecars import TrialHistory
+from kvplan.plans import Plan, uniform_plan
+from tests.explain_helpers import copy_plan, searched_plan
+from tests.search.synthetic import GEOM, MODS, REF
 
 
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ex")
-    out = d / "plan.yaml"
-    search(budget="3.0bpv", n_trials=20, scorer=SyntheticScorer(), heldout_scorer=SyntheticScorer(), out=out,
-           progress=False, n_candidates=6, n_local=10)
-    return out
+    return searched_plan(tmp_path_factory.mktemp("ex"))
 
 
-def test_text_report_with_history(searched, tmp_path):
-    txt = explain(searched, out_dir=tmp_path / "figs")
-    for needle in ("honest bpv", "memory", "32768 tokens", "allocation: mean bits K", "modality doc",
-                   "measured on heldout: KL", "consensus importance", "K vs V", "Pareto front", "figures:"):
+@pytest.fixture(scope="module")
+def full(searched, tmp_path_factory):
+    """Text and JSON of one full explain run (importance on), with figures and HTML."""
+    d = tmp_path_factory.mktemp("full")
+    txt = explain(searched, out_dir=d / "figs", html=d / "r.html", context_lengths=[300, 1000, 4096, 32768],
+                  batch_sizes=[1, 8])
+    rep = json.loads(explain(searched, format="json", context_lengths=[300, 1000, 4096, 32768], batch_sizes=[1, 8]))
+    return txt, rep, d
+
+
+def test_text_report_with_history(full):
+    txt, _, d = full
+    for needle in ("honest bpv", "memory", "32768 tokens x batch 8", "GiB", "bpv by modality mix", "all text",
+                   "between group boundaries", "allocation: mean bits K", "modality doc",
+                   "measured on test (held-out): KL", "consensus importance", "% of consensus importance",
+                   "K vs V", "effect of bits", "Pareto front", "budget line: 3 bpv", "figures:", "HTML report:"):
         assert needle in txt, needle
-    assert "missing" not in txt
-    for f in ("allocation.png", "pareto.png", "importance.png"):
-        assert os.path.getsize(tmp_path / "figs" / f) > 1000
+    assert "missing" not in txt and "warning" not in txt
+    for f in FIGURE_NAMES:
+        with open(d / "figs" / f"{f}.png", "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n", f
+    assert not [n for n in os.listdir(d / "figs") if n.startswith(".tmp-")]
 
 
-def test_json_report(searched):
-    rep = json.loads(explain(searched, format="json"))
+def test_json_keeps_the_figures_numbers(full, searched):
+    _, rep, _ = full
+    plan = Plan.from_yaml(searched)
     assert rep["budget"]["bpv"]["total"] <= 3.0 + 1e-9
+    assert rep["missing"] == [] and rep["warnings"] == []
+    # allocation figure: every slot's bits and correction flag
+    assert np.array_equal(np.array(rep["allocation"]["bits"]), plan.table())
+    assert np.array_equal(np.array(rep["allocation"]["corrected"]), plan.correction_table())
+    assert rep["allocation"]["bits_used"] == sorted(set(plan.table().ravel().tolist()))
+    # bpv curve: dense at short lengths (every token), exact, reference point marked
+    c = rep["bpv_curve"]
+    assert c["context_len"][:256] == list(range(1, 257)) and c["context_len"][-1] == 131072
+    labels = [s["label"] for s in c["series"]]
+    assert labels[:2] == ["this plan", "fp16"] and any(lab.startswith("uniform int2") for lab in labels)
+    mine = dict(zip(c["context_len"], c["series"][0]["bpv"]))
+    for T in (1, 300, 1000, 4096):
+        assert mine[T] == plan.bpv(context_len=T).total
+    assert c["reference"] == {"context_len": REF.context_len, "bpv": plan.bpv().total}
+    assert max(mine[T] for T in range(257, 1100) if T in mine) > mine[1024] + 0.1  # sawtooth between groups
+    # pareto: every trial point, distinct baseline labels, the plan on calibration and test
+    h = rep["history"]
+    assert len(h["points"]) == h["n_trials"] == 20
+    bl = [b["label"] for b in h["baselines"]]
+    assert len(bl) >= 2 and len(set(bl)) == len(bl)
+    assert {d["label"] for d in rep["measured"]} == {"calibration", "test (held-out)"}
     imp = rep["importance"]
     assert sum(imp["kind"].values()) + sum(imp["quantizer"].values()) == pytest.approx(100.0, abs=1e-6)
-    assert imp["kind"]["k"] > imp["kind"]["v"]  # the synthetic task makes keys ~8x more sensitive
-    assert rep["missing"] == []
+    assert imp["kind"]["k"] > imp["kind"]["v"] * 0.5 and "%" in imp["units"]
+    d = imp["direction"]
+    assert d["slope"] and set(d["slope"]) <= set(imp["top_slots"])
+    # the synthetic damage falls with bits: most top slots must say "more bits help"
+    assert np.mean([v < 0 for v in d["slope"].values()]) > 0.7
+    for s in d["scatter"].values():
+        assert len(s["bits"]) == len(s["shap"]) == 20
+
+
+def test_memory_in_user_units(full, searched):
+    _, rep, _ = full
+    plan = Plan.from_yaml(searched)
+    g = plan.geometry
+    rows = {(r["context_len"], r["batch"]): r for r in rep["memory"]}
+    assert set(rows) == {(T, B) for T in (300, 1000, 4096, 32768, REF.context_len) for B in (1, 8)}
+    for (T, B), r in rows.items():
+        n_values = g.num_layers * g.num_kv_heads * 2 * T * g.head_dim
+        assert r["bytes"] == pytest.approx(plan.bpv(context_len=T).total * n_values * B / 8, rel=1e-12)
+        assert r["fp16_bytes"] == n_values * 2 * B and r["gib"] == r["bytes"] / 2**30
+    assert rows[(300, 1)]["bpv"] > rows[(4096, 1)]["bpv"]  # 300 tokens: a part-filled group
+    mix = {r["context_len"]: r for r in rep["bpv_by_mix"]["rows"]}
+    assert mix[1000]["all text"] == plan.bpv(context_len=1000, modality_mix={"text": 1.0}).total
+    assert mix[1000]["reference"] == rows[(1000, 1)]["bpv"]
+
+
+def _hist(sources, sinks, numbers):
+    n = len(sources)
+    q = {"group_size": [64] * n, "residual_length": [0] * n, "sink_length": sinks, "key_axis": ["channel"] * n,
+         "value_axis": ["token"] * n}
+    return TrialHistory("h.csv", np.zeros((n, 1, 1, 2, 1), dtype=np.int64), [0.1] * n, [2.5] * n, sources,
+                        numbers, q, n)
+
+
+def test_baseline_labels_name_every_differing_field():
+    h = _hist(["baseline:int2-g128-r0", "baseline:int2-g128-r0", "tpe", "baseline:k4v2-g32-r0"], [0, 1, 0, 0],
+              [4, 5, 6, 7])
+    assert baseline_labels(h) == {0: "int2-g128-r0 sink_length=0", 1: "int2-g128-r0 sink_length=1",
+                                  3: "k4v2-g32-r0"}
+    same = _hist(["baseline:int2", "baseline:int2"], [0, 0], [4, 9])
+    assert baseline_labels(same) == {0: "int2 #4", 1: "int2 #9"}
 
 
 def test_plan_file_alone_says_what_is_missing(searched, tmp_path):
     bare = tmp_path / "bare.yaml"
     shutil.copy(searched, bare)
+    (tmp_path / "f2").mkdir()
+    (tmp_path / "f2" / "pareto.png").write_bytes(b"stale")  # from an earlier run with a history
     txt = explain(bare, out_dir=tmp_path / "f2")
     assert "missing: trial history" in txt and "bare.trials.csv" in txt
-    assert "measured on heldout" in txt
-    assert os.path.exists(tmp_path / "f2" / "allocation.png")
-    assert not os.path.exists(tmp_path / "f2" / "pareto.png")
+    assert "measured on test (held-out)" in txt
+    assert sorted(os.listdir(tmp_path / "f2")) == ["allocation.png", "bpv_context.png"]
     base = tmp_path / "int4.yaml"
     uniform_plan(GEOM, 4, 2, modalities=MODS, reference=REF).to_yaml(base)
     txt = explain(base)
     assert "missing: measured metrics" in txt and "protected heads: none" in txt
 
 
-def test_bad_format(searched):
-    with pytest.raises(Exception, match="format"):
+def test_metrics_values_the_schema_accepts(searched, tmp_path):
+    plan = Plan.from_yaml(searched)
+    odd = {"calibration": {"kl": "0.1", "nll": [1, 2], "kl_ci95_lo": {"a": 1}, "n_samples": True},
+           "test": "not measured", "validation": [0.1], "search": {"n_trials": {"x": 1}, "granularity": None}}
+    p = tmp_path / "odd.yaml"
+    plan.replace(metrics=odd).to_yaml(p)
+    txt = explain(p)
+    assert "honest bpv" in txt
+    for needle in ("metrics.calibration.kl: not shown: not a number (got '0.1')", "metrics.calibration.nll",
+                   "metrics.test: not shown: not a mapping", "metrics.validation: not shown"):
+        assert needle in txt, needle
+    assert "measured on calibration: KL n/a" in txt
+    rep = json.loads(explain(p, format="json", out_dir=tmp_path / "figs"))
+    assert rep["metrics"] == odd and os.path.exists(tmp_path / "figs" / "allocation.png")
+
+
+def test_figure_set_is_written_whole_or_not_at_all(tmp_path):
+    out = tmp_path / "figs"
+    with pytest.raises(TypeError):
+        write_figures(str(out), {"allocation": b"\x89PNG", "pareto": None})  # the second write fails
+    assert not out.exists()
+    out.mkdir()
+    (out / "allocation.png").write_bytes(b"old")
+    with pytest.raises(TypeError):
+        write_figures(str(out), {"allocation": b"new", "pareto": None})
+    assert os.listdir(out) == ["allocation.png"] and (out / "allocation.png").read_bytes() == b"old"
+
+
+def test_html_is_atomic(searched, tmp_path, monkeypatch):
+    from kvplan.explain import _api
+
+    p = copy_plan(searched, tmp_path)["plan"]
+    html = tmp_path / "r.html"
+    html.write_text("old")
+
+    def boom(rep, pngs):
+        raise RuntimeError("render failed")
+
+    monkeypatch.setattr(_api, "render_html", boom)
+    with pytest.raises(RuntimeError):
+        explain(p, html=html, importance=False)
+    assert html.read_text() == "old"
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+
+
+def test_bad_options(searched, tmp_path):
+    with pytest.raises(KVPlanError, match="format"):
         explain(searched, format="xml")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ExplainError, match="--figures .*file: exists and is not a directory"):
+        explain(searched, out_dir=tmp_path / "file")
+    with pytest.raises(ExplainError, match="--html .*cannot write into"):
+        explain(searched, html=tmp_path / "file" / "r.html")
+    with pytest.raises(ExplainError, match="--context: must be an integer from 1"):
+        explain(searched, context_lengths=[0])
+    with pytest.raises(ExplainError, match="--batch"):
+        explain(searched, batch_sizes=[10**9])
+
+
+def _kvplan(*args):
+    return subprocess.run([sys.executable, "-m", "kvplan.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_context_batch_html(searched, tmp_path):
+    r = _kvplan("explain", searched, "--format", "json", "--no-importance", "--context", "300", "4096",
+                "--batch", "1", "8", "--html", str(tmp_path / "r.html"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(r.stdout)
+    assert {(m["context_len"], m["batch"]) for m in rep["memory"]} >= {(300, 8), (4096, 1)}
+    assert rep["html"] == str(tmp_path / "r.html") and (tmp_path / "r.html").read_text().startswith("<!DOCTYPE")
+    r = _kvplan("explain", searched, "--context", "0")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--context" in r.stderr
+    r = _kvplan("explain", searched, "--html", str(tmp_path / "r.html" / "x.html"))
+    assert r.returncode == 2 and r.stderr.startswith("kvplan: error: --html") and "Traceback" not in r.stderr

@@ -1,0 +1,62 @@
+"""``explain()``: the report, its figures and its HTML page, written safely."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+from ..plans import atomic_write_text
+from ._figures import render_figures, write_figures
+from ._html import render_html
+from ._report import ExplainError, report
+from ._text import render_text
+
+FORMATS = ("text", "json")
+
+
+def _check_writable(path: str, what: str, is_dir: bool) -> None:
+    """Raise :class:`ExplainError` now, before the slow part, if ``path`` cannot be written."""
+    if os.path.exists(path) and os.path.isdir(path) != is_dir:
+        raise ExplainError(f"{what} {path}: exists and is {'not ' if is_dir else ''}a directory")
+    parent = path if is_dir and os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ExplainError(f"{what} {path}: cannot write into {parent}")
+
+
+def explain(plan_path, format: str = "text", out_dir=None, importance: bool = True, seed: int = 0, *,
+            context_lengths: Sequence[int] | None = None, batch_sizes: Sequence[int] | None = None,
+            html=None) -> str:
+    """Explain a plan file: returns the text report, or JSON text with ``format="json"``.
+
+    ``out_dir``: write PNG figures there (allocation, bpv vs context, and with the trial
+    history the Pareto front and importance), as one set. ``html``: write one self-contained
+    HTML page (text, figures, provenance) atomically. ``context_lengths`` / ``batch_sizes``:
+    where the memory table is computed (bytes and GiB next to fp16).
+    """
+    if format not in FORMATS:
+        raise ExplainError(f"format {format!r} is not one of {list(FORMATS)}")
+    plan_path = os.fspath(plan_path)
+    if out_dir is not None:
+        out_dir = os.fspath(out_dir)
+        _check_writable(out_dir, "--figures", is_dir=True)
+    if html is not None:
+        html = os.fspath(html)
+        _check_writable(html, "--html", is_dir=False)
+    rep = report(plan_path, importance=importance, seed=seed, context_lengths=context_lengths,
+                 batch_sizes=batch_sizes)
+    if out_dir is not None or html is not None:
+        pngs = render_figures(rep)
+        try:
+            if out_dir is not None:
+                rep["figures"] = write_figures(out_dir, pngs)
+            if html is not None:
+                rep["html"] = html
+                atomic_write_text(html, render_html(rep, pngs))
+        except OSError as e:
+            raise ExplainError(f"{e.filename or out_dir or html}: cannot write ({e.strerror or e})") from None
+    if format == "json":
+        return json.dumps(rep, indent=1, default=float)
+    return render_text(rep)

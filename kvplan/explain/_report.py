@@ -1,0 +1,304 @@
+"""The explanation of a plan as one JSON-able dict: every number the text, the figures and
+the HTML page show comes from here."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import KVPlanError
+from ..plans import KINDS, Plan, layout_labels, plan_bytes, split_codes, uniform_plan
+from ._sidecars import QUANTIZER_COLUMNS, TrialHistory, number, read_search, read_trials, show
+
+CONTEXT_LENGTHS = (300, 1000, 1024, 4096, 32768, 131072)  # include lengths between group boundaries
+BATCH_SIZES = (1,)
+MAX_CONTEXT = 2**20  # --context above this is refused (the accounting walks every token)
+MAX_BATCH = 2**16
+CURVE_MAX = 131072
+UNIFORM_BITS = (2, 4, 8)  # uniform baselines drawn on the bpv-vs-context curve
+# (key in plan.metrics, label); ``test`` was called ``heldout`` in older plans
+SPLITS = (("calibration", "calibration"), ("validation", "validation"), ("test", "test (held-out)"))
+GIB = 2**30
+
+
+class ExplainError(KVPlanError):
+    """``kvplan explain`` was given an option it cannot use (bad context length, unwritable output)."""
+
+
+def _sidecars(plan_path: str) -> dict[str, str]:
+    from ..search._search import sidecar_paths
+
+    return sidecar_paths(plan_path)
+
+
+def check_sizes(context_lengths: Sequence[int], batch_sizes: Sequence[int]) -> None:
+    """Raise :class:`ExplainError` for a context length or batch size out of range."""
+    for name, vals, hi in (("--context", context_lengths, MAX_CONTEXT), ("--batch", batch_sizes, MAX_BATCH)):
+        for v in vals:
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= hi:
+                raise ExplainError(f"{name}: must be an integer from 1 to {hi} (got {show(v)})")
+
+
+# ----------------------------------------------------------------------------- memory and bpv
+def modality_mixes(plan: Plan) -> dict[str, dict[str, float]]:
+    """The reference mix and, for a multi-modality plan, each modality alone (``all text``...)."""
+    mixes = {"reference": dict(plan.reference.modality_mix)}
+    if len(plan.modalities) > 1:
+        mixes.update({f"all {m}": {m: 1.0} for m in plan.modalities})
+    return mixes
+
+
+def cache_bytes(plan: Plan, context_len: int, modality_mix, batch: int = 1) -> int:
+    """Bytes the runtime cache holds for ``batch`` sequences of ``context_len`` tokens."""
+    fp_bytes = plan.reference.full_precision_bits // 8
+    parts = plan_bytes(plan, plan.geometry, layout_labels(context_len, modality_mix), batch, fp_bytes)
+    return int(sum(parts.values()))
+
+
+def _n_values(plan: Plan, context_len: int) -> int:
+    g = plan.geometry
+    return g.num_layers * g.num_kv_heads * 2 * context_len * g.head_dim
+
+
+def memory_rows(plan: Plan, context_lengths, batch_sizes) -> list[dict[str, Any]]:
+    """KV-cache bytes and GiB of the plan next to fp16, per (context length, batch size)."""
+    mix = plan.reference.modality_mix
+    fpb = plan.reference.full_precision_bits
+    rows = []
+    for T in context_lengths:
+        one = cache_bytes(plan, T, mix, 1)
+        for B in batch_sizes:
+            fp = _n_values(plan, T) * B * fpb // 8
+            rows.append({"context_len": T, "batch": B, "bpv": 8 * one / _n_values(plan, T), "bytes": one * B,
+                         "gib": one * B / GIB, "fp16_bytes": fp, "fp16_gib": fp / GIB,
+                         "saved_fraction": 1 - one * B / fp})
+    return rows
+
+
+def mix_rows(plan: Plan, context_lengths) -> list[dict[str, Any]]:
+    """Honest bpv per context length at each of :func:`modality_mixes`."""
+    mixes = modality_mixes(plan)
+    return [{"context_len": T, **{name: plan.bpv(context_len=T, modality_mix=m).total for name, m in mixes.items()}}
+            for T in context_lengths]
+
+
+def curve_lengths(plan: Plan, extra: Sequence[int] = (), max_len: int = CURVE_MAX) -> list[int]:
+    """Context lengths for the bpv curve: every token up to a few groups, then both sides of
+    every group boundary up to 4096 tokens, then log-spaced pairs around boundaries, and ``extra``."""
+    q = plan.quantizer
+    G, R = q.group_size, q.residual_length
+    pts = set(range(1, min(max_len, max(256, R + 2 * G)) + 1))
+    b = R + G
+    while b <= min(4096, max_len):
+        pts.update((b - 1, b, b + G // 2))
+        b += G
+    for x in np.geomspace(256, max_len, 120):
+        c = R + G * max(1, round((x - R) / G))
+        pts.update(v for v in (int(x), c - 1, c) if 1 <= v <= max_len)
+    pts.update((plan.reference.context_len, *extra))
+    return sorted(p for p in pts if p <= max_len)
+
+
+def _plain_quantizer(q) -> str:
+    return f"g{q.group_size}, r{q.residual_length}, s{q.sink_length}"
+
+
+def bpv_curve(plan: Plan, extra: Sequence[int] = ()) -> dict[str, Any]:
+    """bpv against context length for the plan, fp16 and uniform plans with the plan's quantizer."""
+    Ts = curve_lengths(plan, extra)
+    q = plan.quantizer
+    series = [{"label": "this plan", "bpv": [plan.bpv(context_len=T).total for T in Ts]},
+              {"label": f"fp{plan.reference.full_precision_bits}",
+               "bpv": [float(plan.reference.full_precision_bits)] * len(Ts)}]
+    for b in UNIFORM_BITS:
+        u = uniform_plan(plan.geometry, b, b, group_size=q.group_size, residual_length=q.residual_length,
+                         key_axis=q.key_axis, value_axis=q.value_axis, sink_length=q.sink_length,
+                         modalities=plan.modalities, reference=plan.reference)
+        series.append({"label": f"uniform int{b} ({_plain_quantizer(q)})",
+                       "bpv": [u.bpv(context_len=T).total for T in Ts]})
+    ref = plan.reference.context_len
+    return {"context_len": Ts, "series": series, "reference": {"context_len": ref, "bpv": plan.bpv().total},
+            "target_bpv": plan.target_bpv}
+
+
+# ----------------------------------------------------------------------------- allocation
+def allocation(plan: Plan) -> dict[str, Any]:
+    """Per-slot bits, corrected and protected slots, and their summaries."""
+    g = plan.geometry
+    codes = plan.code_table()  # [L, H, 2, M]
+    table, corrected = split_codes(codes)
+    mods = list(plan.modalities)
+    med = float(np.median(table))
+    alloc: dict[str, Any] = {
+        "bits_used": sorted(int(b) for b in np.unique(table)),
+        "mean_bits": {kind: float(table[:, :, k].mean()) for k, kind in enumerate(KINDS)},
+        "per_modality": {m: {kind: float(table[:, :, k, i].mean()) for k, kind in enumerate(KINDS)}
+                         for i, m in enumerate(mods)},
+        "per_layer": [{"layer": l, "k": float(table[l, :, 0].mean()), "v": float(table[l, :, 1].mean())}
+                      for l in range(g.num_layers)],
+        "histogram": {kind: {str(int(b)): int((table[:, :, k] == b).sum()) for b in np.unique(table)}
+                      for k, kind in enumerate(KINDS)},
+        "median_bits": med,
+        # bits[layer][head][kind][modality] and the same shape of booleans
+        "bits": table.tolist(),
+        "corrected": corrected.tolist(),
+    }
+    alloc["protected"] = [{"layer": int(l), "head": int(h), "kind": KINDS[k], "modality": mods[i],
+                           "bits": int(table[l, h, k, i])}
+                          for l, h, k, i in zip(*np.nonzero((table >= 8) & (table > med)))]
+    alloc["corrected_keys"] = [{"layer": int(l), "head": int(h), "modality": mods[int(i)]}
+                               for l, h, k, i in zip(*np.nonzero(corrected))]
+    return alloc
+
+
+# ----------------------------------------------------------------------------- metrics
+def measured(metrics, warnings: list[str]) -> list[dict[str, Any]]:
+    """The plan's measured splits with numeric values only; other values become warnings."""
+    out = []
+    for key, label in SPLITS:
+        d = metrics.get(key)
+        if key == "test" and d is None:
+            key, d = "heldout", metrics.get("heldout")
+        if d is None:
+            continue
+        if not isinstance(d, dict):
+            warnings.append(f"plan metrics.{key}: not shown: not a mapping (got {show(d)})")
+            continue
+        row: dict[str, Any] = {"split": key, "label": label}
+        for name, v in d.items():
+            f = number(v)
+            if f is not None and not isinstance(v, str):
+                row[name] = f
+            else:
+                warnings.append(f"plan metrics.{key}.{name}: not shown: not a number (got {show(v)})")
+        out.append(row)
+    return out
+
+
+# ----------------------------------------------------------------------------- history
+def baseline_labels(hist: TrialHistory) -> dict[int, str]:
+    """Distinct labels of the baseline trials (row index -> label): baselines with the same
+    name get every quantizer field in which they differ, then the trial number if still equal."""
+    idx = [i for i, s in enumerate(hist.source) if s.startswith("baseline:")]
+    labels = {i: hist.source[i][len("baseline:"):] for i in idx}
+    for name in set(labels.values()):
+        group = [i for i in idx if labels[i] == name]
+        if len(group) < 2:
+            continue
+        varied = [k for k in QUANTIZER_COLUMNS if len({hist.quantizer[k][i] for i in group}) > 1]
+        for i in group:
+            labels[i] = name + "".join(f" {k}={hist.quantizer[k][i]}" for k in varied)
+        seen: dict[str, list[int]] = {}
+        for i in group:
+            seen.setdefault(labels[i], []).append(i)
+        for same in seen.values():
+            if len(same) > 1:
+                for i in same:
+                    labels[i] += f" #{hist.number[i] if hist.number[i] is not None else i}"
+    return labels
+
+
+def history_section(hist: TrialHistory, search: dict | None) -> dict[str, Any]:
+    from ..search._search import pareto_front
+
+    pts = [(k, b, i) for i, (k, b) in enumerate(zip(hist.kl, hist.bpv)) if b is not None]
+    front = pareto_front([(k, b) for k, b, _ in pts])
+    labels = baseline_labels(hist)
+    points = [{"kl": k, "bpv": b, "source": hist.source[i], "number": hist.number[i]} for k, b, i in pts]
+    best, run = math.inf, []
+    for n, k in enumerate(hist.kl):  # running best calibration KL in trial order
+        best = min(best, k)
+        run.append({"trial": hist.number[n] if hist.number[n] is not None else n, "kl": k, "best_kl": best,
+                    "source": hist.source[n]})
+    sec = {"trials_csv": hist.path, "n_trials": len(hist), "n_rows": hist.n_rows,
+           "points": points, "pareto": [points[i] for i in front],
+           "baselines": [{**points[j], "label": labels[i]} for j, (_, _, i) in enumerate(pts) if i in labels],
+           "progress": run}
+    if search and search.get("budgets"):
+        sec["budgets"] = [float(b) for b in search["budgets"]]
+    return sec
+
+
+def _importance(hist: TrialHistory, mods, shape, seed: int) -> dict[str, Any]:
+    from ..surrogates import component_importance, importance_from_history
+    from ._direction import slot_direction
+
+    q_fields = {k: hist.quantizer[k] for k in ("group_size", "residual_length", "key_axis", "sink_length")}
+    imp = importance_from_history(hist.codes, q_fields, hist.kl, mods, seed=seed)
+    comp = component_importance(imp, shape, mods)
+    top_slots = dict(sorted(comp["slot"].items(), key=lambda kv: -kv[1])[:15])
+    return {
+        "units": "% of consensus importance (impurity, permutation and |SHAP| of a random forest predicting "
+                 "log-KL from log2 bits per slot, each normalized to 100%, averaged)",
+        "n_trials": imp.n_trials, "oob_r2": imp.r2_oob, "methods": list(imp.methods),
+        "kind": comp["kind"], "modality": comp["modality"], "layer": comp["layer"],
+        "head": dict(sorted(comp["head"].items(), key=lambda kv: -kv[1])[:12]),
+        "quantizer": comp["quantizer"], "top_slots": top_slots,
+        "per_method_kind": {m: {kind: float(100 * sum(v for n, v in zip(imp.names, arr)
+                                                     if n.startswith("slot:") and f".{kind}." in n))
+                                for kind in KINDS} for m, arr in imp.methods.items()},
+        "direction": slot_direction(hist, q_fields, mods, list(top_slots), seed=seed),
+    }
+
+
+# ----------------------------------------------------------------------------- report
+def report(plan_path, importance: bool = True, seed: int = 0, context_lengths: Sequence[int] | None = None,
+           batch_sizes: Sequence[int] | None = None) -> dict[str, Any]:
+    """The explanation as a JSON-able dict (what :func:`kvplan.explain.explain` renders).
+
+    Corrupt optional sidecars (``.trials.csv``, ``.search.json``) are ignored with a line in
+    ``warnings`` naming the file and the problem; the plan itself must be valid.
+    """
+    plan_path = os.fspath(plan_path)
+    context_lengths = list(context_lengths if context_lengths else CONTEXT_LENGTHS)
+    batch_sizes = list(batch_sizes if batch_sizes else BATCH_SIZES)
+    check_sizes(context_lengths, batch_sizes)
+    plan = Plan.from_yaml(plan_path)
+    g = plan.geometry
+    ref = plan.reference
+    mods = list(plan.modalities)
+    warnings: list[str] = []
+    rep: dict[str, Any] = {"plan": plan_path, "name": plan.name, "missing": [], "warnings": warnings}
+    rep["model"] = {"model_type": g.model_type, "num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads,
+                    "head_dim": g.head_dim, "layer_types": list(g.layer_types), "fingerprint": g.fingerprint}
+    rep["modalities"] = mods
+    rep["quantizer"] = dataclasses.asdict(plan.quantizer)
+    rep["provenance"] = dataclasses.asdict(plan.provenance)
+    rep["budget"] = {"target_bpv": plan.target_bpv,
+                     "reference": {"context_len": ref.context_len, "modality_mix": dict(ref.modality_mix),
+                                   "full_precision_bits": ref.full_precision_bits},
+                     "bpv": plan.bpv().as_dict()}
+    lengths = sorted(set(context_lengths) | {ref.context_len})
+    rep["memory"] = memory_rows(plan, lengths, batch_sizes)
+    rep["bpv_by_mix"] = {"mixes": modality_mixes(plan), "rows": mix_rows(plan, lengths)}
+    rep["bpv_curve"] = bpv_curve(plan, lengths)
+    rep["allocation"] = allocation(plan)
+    rep["metrics"] = dict(plan.metrics)
+    rep["measured"] = measured(plan.metrics, warnings)
+    if not plan.metrics:
+        rep["missing"].append("measured metrics (the plan has none; produce it with kvplan search)")
+
+    side = _sidecars(plan_path)
+    search = read_search(side["search"], warnings)
+    hist = read_trials(side["trials"], plan.code_table().shape, warnings)
+    rep["history"] = {"trials_csv": side["trials"] if hist else None}
+    if hist is None:
+        why = "not found" if not os.path.exists(side["trials"]) else "unusable, see the warnings"
+        rep["missing"].append(f"trial history ({side['trials']} {why}): no consensus importance and no "
+                              "Pareto front; run kvplan search with --out next to this plan to produce it")
+    else:
+        rep["history"] = history_section(hist, search)
+        if importance and len(hist) >= 5:
+            rep["importance"] = _importance(hist, mods, plan.code_table().shape, seed)
+        elif importance:
+            rep["missing"].append(f"consensus importance (only {len(hist)} trials in the history; need >= 5)")
+    if search:
+        rep["search"] = {k: search[k] for k in ("space", "budgets", "seed", "study_name", "profile") if k in search}
+    return rep
+
+
+__all__ = ["BATCH_SIZES", "CONTEXT_LENGTHS", "ExplainError", "report"]

@@ -1,0 +1,232 @@
+"""The text rendering of :func:`kvplan.explain.report`'s dict."""
+
+from __future__ import annotations
+
+from ..plans import KINDS
+from ._sidecars import number, show
+
+CURVE_TEXT_LENGTHS = (1, 1000, 4096, 32768, 131072)  # plus the first group boundary and the reference
+
+
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in B / KiB / MiB / GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def ci(d: dict, key: str) -> str:
+    """``value (95% CI lo-hi)`` of a measured split's numeric metric, or ``n/a``."""
+    v = d.get(key)
+    if v is None:
+        return "n/a"
+    lo, hi, se = d.get(f"{key}_ci95_lo"), d.get(f"{key}_ci95_hi"), d.get(f"{key}_se")
+    s = f"{v:.4g}"
+    if lo is not None and hi is not None:
+        s += f" (95% CI {lo:.4g}–{hi:.4g})"
+    elif se is not None:
+        s += f" ± {se:.2g} (s.e.)"
+    return s
+
+
+def _listing(items: list[str], limit: int = 24) -> str:
+    return ", ".join(items[:limit]) + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _curve_points(rep: dict) -> list[int]:
+    c = rep["bpv_curve"]
+    q = rep["quantizer"]
+    first = q["residual_length"] + q["group_size"]
+    want = sorted({*CURVE_TEXT_LENGTHS, first - 1, first, c["reference"]["context_len"]})
+    have = set(c["context_len"])
+    return [T for T in want if T in have]
+
+
+def _header(rep: dict, L: list[str]) -> None:
+    m = rep["model"]
+    L.append(f"kvplan plan: {rep['plan']}" + (f"  ({rep['name']})" if rep.get("name") else ""))
+    L.append(f"model: {m['model_type']}, {m['num_layers']} layers x {m['num_kv_heads']} KV heads x head_dim "
+             f"{m['head_dim']}  [{m['fingerprint']}]")
+    p = rep.get("provenance") or {}
+    L.append("provenance: " + ", ".join(f"{k} {v}" for k, v in p.items() if v is not None))
+    q = rep["quantizer"]
+    L.append(f"quantizer: group {q['group_size']}, keys per {q['key_axis']}, values per {q['value_axis']}, "
+             f"residual {q['residual_length']} newest and {q.get('sink_length', 0)} first (attention-sink) tokens "
+             "at full precision")
+    if q.get("key_correction_rank"):
+        L.append(f"key correction: key slots marked 'correct' also store a rank-{q['key_correction_rank']} "
+                 f"{q['key_correction_bits']}-bit code of their error in per-head query bases learned on the "
+                 "calibration data (HeadQ-style)")
+    rot = [w for w, on in (("a Hadamard rotation of quantized K and V", q.get("rotation") == "hadamard"),
+                           ("keys rotated back to the pre-RoPE frame", q.get("key_pre_rope"))) if on]
+    if rot:
+        L.append(f"rotations before quantization (undone on read, no bpv): {' and '.join(rot)}")
+
+
+def _memory(rep: dict, L: list[str]) -> None:
+    b = rep["budget"]
+    mix = ", ".join(f"{k} {v:.1%}" for k, v in b["reference"]["modality_mix"].items())
+    L.append("")
+    L.append(f"budget: {b['target_bpv'] if b['target_bpv'] is not None else 'none'} bpv at context "
+             f"{b['reference']['context_len']} ({mix})")
+    bp = b["bpv"]
+    L.append(f"honest bpv: {bp['total']:.4f} = payload {bp['payload']:.4f} + scales/zeros "
+             f"{bp['scales_zeros']:.4f} + full-precision residual {bp['residual']:.4f}"
+             + (f" + key correction {bp['correction']:.4f}" if bp.get("correction") else ""))
+    fp = b["reference"]["full_precision_bits"]
+    L.append(f"memory (KV cache of this model, reference mix; fp{fp} = the unquantized cache):")
+    for r in rep["memory"]:
+        L.append(f"  {r['context_len']:>7} tokens x batch {r['batch']:<3}: {r['bpv']:.3f} bpv, {r['bytes']:>14,} B "
+                 f"= {r['gib']:.4f} GiB ({fmt_bytes(r['bytes'])}) vs fp{fp} {r['fp16_bytes']:,} B = "
+                 f"{r['fp16_gib']:.4f} GiB  (saves {r['saved_fraction']:.1%})")
+    mixes = rep["bpv_by_mix"]["mixes"]
+    if len(mixes) > 1:
+        names = list(mixes)
+        L.append("bpv by modality mix (reference = " + ", ".join(f"{k} {v:.1%}" for k, v in mixes["reference"].items())
+                 + "): " + " | ".join(names))
+        for r in rep["bpv_by_mix"]["rows"]:
+            L.append(f"  {r['context_len']:>7} tokens: " + " | ".join(f"{r[n]:.3f}" for n in names))
+    c = rep["bpv_curve"]
+    Ts = _curve_points(rep)
+    idx = {T: i for i, T in enumerate(c["context_len"])}
+    L.append("bpv vs context length (figure bpv_context): " + ", ".join(f"{T}" for T in Ts) + " tokens")
+    for s in c["series"]:
+        L.append(f"  {s['label']:<32} " + "  ".join(f"{s['bpv'][idx[T]]:7.3f}" for T in Ts))
+    plan = c["series"][0]["bpv"]
+    for lo, hi in ((256, 1024), (1024, 4096)):
+        sel = [v for T, v in zip(c["context_len"], plan) if lo <= T <= hi]
+        if sel:
+            L.append(f"  between group boundaries, {lo}-{hi} tokens: this plan {min(sel):.3f}-{max(sel):.3f} bpv")
+
+
+def _allocation(rep: dict, L: list[str]) -> None:
+    a = rep["allocation"]
+    mods = rep["modalities"]
+    L.append("")
+    L.append(f"allocation: mean bits K {a['mean_bits']['k']:.2f}, V {a['mean_bits']['v']:.2f}; "
+             f"formats used: {', '.join(str(b) for b in a['bits_used'])} bits")
+    for kind in KINDS:
+        h = ", ".join(f"{bits}b x{n}" for bits, n in a["histogram"][kind].items() if n)
+        L.append(f"  {kind.upper()} slots: {h}")
+    if len(a["per_modality"]) > 1:
+        for mname, d in a["per_modality"].items():
+            L.append(f"  modality {mname}: K {d['k']:.2f}, V {d['v']:.2f} bits")
+    L.append("  per layer (mean K / V bits):")
+    row = []
+    for r in a["per_layer"]:
+        row.append(f"L{r['layer']:02d} {r['k']:.1f}/{r['v']:.1f}")
+        if len(row) == 6:
+            L.append("    " + "  ".join(row))
+            row = []
+    if row:
+        L.append("    " + "  ".join(row))
+    prot = {(p["layer"], p["head"], KINDS.index(p["kind"]), mods.index(p["modality"])) for p in a["protected"]}
+    L.append("  bits per KV head (figure allocation; c = key correction, * = protected), "
+             + " | ".join(f"{k.upper()} {m}" for k in KINDS for m in mods) + ":")
+    for l, heads in enumerate(a["bits"]):
+        cells = []
+        for k in range(2):
+            for i in range(len(mods)):
+                cells.append(" ".join(
+                    f"{heads[h][k][i]}{'c' if a['corrected'][l][h][k][i] else ''}"
+                    f"{'*' if (l, h, k, i) in prot else ''}" for h in range(len(heads))))
+        L.append(f"    L{l:02d}  " + " | ".join(cells))
+    if a["corrected_keys"]:
+        heads = sorted({(c["layer"], c["head"]) for c in a["corrected_keys"]})
+        L.append(f"  key correction on {len(a['corrected_keys'])} key slots ({len(heads)} KV heads): "
+                 + _listing([f"L{l}.H{h}" for l, h in heads]))
+    if a["protected"]:
+        heads = sorted({(p["layer"], p["head"], p["kind"]) for p in a["protected"]})
+        L.append(f"  protected (>= 8 bits, above the median {a['median_bits']:g}): "
+                 + _listing([f"L{l}.H{h}.{k.upper()}" for l, h, k in heads]))
+    else:
+        L.append("  protected heads: none (no slot at >= 8 bits above the median)")
+
+
+def _measured(rep: dict, L: list[str]) -> None:
+    if not rep.get("measured") and not (rep.get("metrics") or {}).get("search"):
+        return
+    L.append("")
+    for d in rep.get("measured", []):
+        extra = ""
+        if d.get("acc") is not None:
+            fp = f" (FP {d['acc_fp']:.3g})" if d.get("acc_fp") is not None else ""
+            extra = f", accuracy {ci(d, 'acc')}{fp}"
+        nll = f", NLL {ci(d, 'nll')}" if d.get("nll") is not None else ""
+        n = f" [{int(d['n_samples'])} samples]" if d.get("n_samples") else ""
+        L.append(f"measured on {d['label']}: KL {ci(d, 'kl')}{nll}{extra}{n}")
+    s = (rep.get("metrics") or {}).get("search")
+    if isinstance(s, dict):
+        def g(k, default="?"):
+            v = s.get(k, default)
+            return v if isinstance(v, (int, float, str)) and not isinstance(v, bool) else show(v)
+
+        L.append(f"search: granularity {g('granularity')}, {g('n_trials')} trials (+{g('n_profile_evals', 0)} "
+                 f"profile evaluations), seed {g('seed')}, chosen trial {g('trial')} ({g('source')})")
+
+
+def _importance(rep: dict, L: list[str]) -> None:
+    imp = rep.get("importance")
+    if not imp:
+        return
+    L.append("")
+    r2 = f", forest OOB R2 {imp['oob_r2']:.2f}" if imp.get("oob_r2") is not None else ""
+    L.append(f"consensus importance ({imp['n_trials']} trials; impurity + permutation + |SHAP|{r2}), "
+             "in % of consensus importance:")
+    L.append("  K vs V: " + ", ".join(f"{k.upper()} {v:.1f}%" for k, v in imp["kind"].items()))
+    if len(imp["modality"]) > 1:
+        L.append("  modality: " + ", ".join(f"{k} {v:.1f}%" for k, v in imp["modality"].items()))
+    L.append("  layers: " + ", ".join(f"{k} {v:.1f}%" for k, v in imp["layer"].items()))
+    L.append("  heads: " + ", ".join(f"{k} {v:.1f}%" for k, v in imp["head"].items()))
+    if imp["quantizer"]:
+        L.append("  quantizer: " + ", ".join(f"{k} {v:.1f}%" for k, v in imp["quantizer"].items()))
+    L.append("  top slots: " + ", ".join(f"{k} {v:.1f}%" for k, v in imp["top_slots"].items()))
+    d = imp.get("direction") or {}
+    if d.get("slope"):
+        L.append(f"  effect of bits ({d['units']}): "
+                 + ", ".join(f"{k} {v:+.3g}" for k, v in d["slope"].items()))
+
+
+def _pareto(rep: dict, L: list[str]) -> None:
+    hist = rep.get("history") or {}
+    if not hist.get("pareto"):
+        return
+    L.append("")
+    L.append(f"Pareto front (calibration KL vs bpv) of {hist['n_trials']} trials (figure pareto): " + ", ".join(
+        f"{p['bpv']:.4f}->{p['kl']:.4g}" for p in hist["pareto"]))
+    if hist.get("baselines"):
+        L.append("baselines in the study (calibration): " + ", ".join(
+            f"{p['label']} {p['bpv']:.4f} bpv KL {p['kl']:.4g}" for p in hist["baselines"]))
+    bpv = rep["budget"]["bpv"]["total"]
+    for d in rep.get("measured", []):
+        if number(d.get("kl")) is not None:
+            L.append(f"this plan on {d['label']}: {bpv:.4f} bpv, KL {ci(d, 'kl')}")
+    if rep["budget"]["target_bpv"] is not None:
+        L.append(f"budget line: {rep['budget']['target_bpv']:g} bpv")
+
+
+def render_text(rep: dict) -> str:
+    """The report as text: every number the figures show (their data are in the JSON too)."""
+    L: list[str] = []
+    _header(rep, L)
+    _memory(rep, L)
+    _allocation(rep, L)
+    _measured(rep, L)
+    _importance(rep, L)
+    _pareto(rep, L)
+    if rep.get("figures"):
+        L.append("")
+        L.append("figures: " + ", ".join(rep["figures"]))
+    if rep.get("html"):
+        L.append(f"HTML report: {rep['html']}")
+    if rep.get("warnings"):
+        L.append("")
+        for msg in rep["warnings"]:
+            L.append(f"warning: {msg}")
+    if rep["missing"]:
+        L.append("")
+        for msg in rep["missing"]:
+            L.append(f"missing: {msg}")
+    return "\n".join(L) + "\n"
