@@ -1,18 +1,17 @@
-"""Plans: dataclasses, YAML schema and validation, honest bpv accounting, baselines."""
+"""Plans: dataclasses, YAML schema and validation, honest bpv accounting, baselines.
 
-from ._schema import (
-    CORRECTED,
-    KINDS,
-    SCHEMA_VERSION,
-    BitRule,
-    KeyBasis,
-    Plan,
-    Provenance,
-    QuantizerSettings,
-    Reference,
-    atomic_write_text,
-    split_codes,
-)
+Modules, one job each: ``_checks`` (value checks, size limits), ``_fields`` (quantizer
+settings, bit rules, reference, provenance), ``_keybasis`` (key correction bases and their
+base64 codec), ``_files`` (bounded reads, atomic writes), ``_yaml`` (bounded loader, dumper),
+``_parse`` (document -> checked fields), ``_plan`` (:class:`Plan`), ``_compress`` (table ->
+default + rules), ``accounting`` (honest bpv), ``baselines``.
+"""
+
+from ._checks import CORRECTED, KINDS, SCHEMA_VERSION, split_codes
+from ._fields import BitRule, Provenance, QuantizerSettings, Reference
+from ._files import atomic_write_text
+from ._keybasis import KeyBasis
+from ._plan import Plan
 from .accounting import (BpvBreakdown, committed_length, label_runs, layout_labels, plan_bpv, plan_bytes,
                          stored_runs)
 from .baselines import BASELINES, KVTUNER_PAIRS, baseline_plan, headguard_plan, layerwise_plan, uniform_plan

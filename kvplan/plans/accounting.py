@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..kernels.qtypes import FULL_PRECISION_BITS, SCALE_BYTES, ZERO_BYTES, channel_group_size, packed_row_bytes
-from ._schema import split_codes
+from ._checks import split_codes
 
 
 def committed_length(total: int, residual_length: int, group_size: int) -> int:
@@ -64,10 +64,27 @@ def layout_labels(context_len: int, modality_mix) -> list[str]:
             raise ValueError(f"{len(modality_mix)} labels given for context_len {context_len}")
         return modality_mix
     labels: list[str] = []
-    for i, (name, frac) in enumerate(modality_mix):
-        n = context_len - len(labels) if i == len(modality_mix) - 1 else int(frac * context_len)
-        labels.extend([name] * n)
+    for lab, _, n in layout_runs(context_len, modality_mix):
+        labels.extend([lab] * n)
     return labels
+
+
+def layout_runs(context_len: int, modality_mix) -> list[tuple[object, int, int]]:
+    """``label_runs(layout_labels(context_len, modality_mix))`` for a mix of fractions, without
+    building one label per token (a plan's reference may be millions of tokens)."""
+    pairs = list(modality_mix.items()) if isinstance(modality_mix, Mapping) else list(modality_mix)
+    runs: list[tuple[object, int, int]] = []
+    pos = 0
+    for i, (name, frac) in enumerate(pairs):
+        n = context_len - pos if i == len(pairs) - 1 else int(frac * context_len)
+        if n <= 0:
+            continue
+        if runs and runs[-1][0] == name:
+            runs[-1] = (name, runs[-1][1], runs[-1][2] + n)
+        else:
+            runs.append((name, pos, n))
+        pos += n
+    return runs
 
 
 def stored_runs(labels: Sequence, committed_before: int, n: int,
@@ -78,8 +95,12 @@ def stored_runs(labels: Sequence, committed_before: int, n: int,
     ``(label, absolute start, length, is_sink)``: maximal runs of one label, split at the
     sink boundary ``sink_length`` (positions before it are kept at full precision).
     """
+    return _split_at_sink(label_runs(labels, 0, n), committed_before, sink_length)
+
+
+def _split_at_sink(runs, committed_before: int, sink_length: int) -> list[tuple[object, int, int, bool]]:
     out = []
-    for lab, off, length in label_runs(labels, 0, n):
+    for lab, off, length in runs:
         start = committed_before + off
         cut = min(max(sink_length - start, 0), length)
         if cut:
@@ -133,14 +154,20 @@ def plan_bytes(plan, geometry, labels: Sequence[str], batch_size: int = 1, fp_by
     """Bytes the runtime stores for ``plan`` after writing tokens labelled ``labels``: a dict
     ``payload``, ``scales_zeros``, ``correction``, ``residual``."""
     q = plan.quantizer
+    C = committed_length(len(labels), q.residual_length, q.group_size)
+    return _runs_bytes(plan, geometry, len(labels), label_runs(labels, 0, C), batch_size, fp_bytes)
+
+
+def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_bytes: int) -> dict[str, int]:
+    """:func:`plan_bytes` of ``T`` tokens whose committed ones form the label runs ``committed``."""
+    q = plan.quantizer
     table, corrected = split_codes(plan.code_table())
-    T = len(labels)
-    C = committed_length(T, q.residual_length, q.group_size)
-    unknown = sorted({lab for lab in labels[:C]} - set(plan.modalities))
+    C = sum(length for _, _, length in committed)
+    unknown = sorted({lab for lab, _, _ in committed} - set(plan.modalities))
     if unknown:
         raise ValueError(f"labels {unknown} are not modalities of the plan {list(plan.modalities)}")
     payload = scales = correction = 0
-    runs = stored_runs(labels, 0, C, q.sink_length)
+    runs = _split_at_sink(committed, 0, q.sink_length)
     for layer in range(geometry.num_layers):
         for head in range(geometry.num_kv_heads):
             for k, kind in enumerate(("k", "v")):
@@ -158,9 +185,18 @@ def plan_bytes(plan, geometry, labels: Sequence[str], batch_size: int = 1, fp_by
 
 
 def plan_bpv(plan, geometry, context_len: int, modality_mix, full_precision_bits: int = 16) -> BpvBreakdown:
-    """Honest bits per value of ``plan`` at ``context_len`` tokens laid out as ``modality_mix``."""
-    labels = layout_labels(context_len, modality_mix)
-    parts = plan_bytes(plan, geometry, labels, 1, full_precision_bits // 8)
+    """Honest bits per value of ``plan`` at ``context_len`` tokens laid out as ``modality_mix``
+    (a mix of fractions, computed from its runs, or explicit per-token labels)."""
+    pairs = list(modality_mix.items()) if isinstance(modality_mix, Mapping) else list(modality_mix)
+    if pairs and isinstance(pairs[0], str):
+        runs = label_runs(layout_labels(context_len, pairs))
+    else:
+        runs = layout_runs(context_len, pairs)
+    T = sum(length for _, _, length in runs)
+    q = plan.quantizer
+    C = committed_length(T, q.residual_length, q.group_size)
+    committed = [(lab, start, min(length, C - start)) for lab, start, length in runs if start < C]
+    parts = _runs_bytes(plan, geometry, T, committed, 1, full_precision_bits // 8)
     n_values = geometry.num_layers * geometry.num_kv_heads * 2 * context_len * geometry.head_dim
     return BpvBreakdown(8 * sum(parts.values()) / n_values,
                         *(8 * parts[k] / n_values for k in ("payload", "scales_zeros", "residual", "correction")))

@@ -14,7 +14,9 @@ import numpy as np
 
 from ..errors import PlanError
 from ..models.geometry import Geometry
-from ._schema import DEFAULT_MODALITY, Plan, Provenance, QuantizerSettings
+from ._checks import DEFAULT_MODALITY
+from ._fields import Provenance, QuantizerSettings
+from ._plan import Plan
 
 # name -> (key bits, value bits)
 BASELINES: dict[str, tuple[int, int]] = {

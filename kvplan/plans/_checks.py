@@ -1,0 +1,90 @@
+"""Value checks shared by plan parsing and the plan dataclasses, and the plan's size limits.
+
+Every size a plan file states turns into work (tables, label layouts, byte counts), so each
+has an upper bound, far above any real model, stated in the error when it is exceeded.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+from ..errors import PlanError, describe
+
+SCHEMA_VERSION = 1
+KINDS = ("k", "v")
+DEFAULT_MODALITY = "text"
+# format code of a key slot stored at ``b`` bits with the key correction: ``b + CORRECTED``
+# (``Plan.code_table``); plain bits are codes below it
+CORRECTED = 100
+
+MAX_LAYERS = 1024
+MAX_KV_HEADS = 1024
+MAX_KV_UNITS = 2 ** 15  # num_layers * num_kv_heads (the bit table and the byte count loop over them)
+MAX_HEAD_DIM = 4096
+MAX_MODALITIES = 16
+MAX_TOKENS = 2 ** 24  # context_len, residual_length, sink_length
+MAX_DEPTH = 32  # nesting of metrics (the YAML reader refuses deeper documents before this)
+
+
+def split_codes(codes):
+    """``(bits, corrected)`` of format codes (an int or an int array): see :data:`CORRECTED`."""
+    return codes % CORRECTED, codes >= CORRECTED
+
+
+def key_path(path: str, key) -> str:
+    """``path.key`` for a mapping key read from a file (any type, shown bounded)."""
+    name = key if isinstance(key, str) else describe(key)
+    return f"{path}.{name}" if path else name
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_num(v) -> bool:
+    """A finite number: a float that is not NaN or infinite, or an int that converts to one
+    (``math.isfinite(10**400)`` and ``float(10**400)`` raise OverflowError)."""
+    if is_int(v):
+        return v.bit_length() < 1024
+    return isinstance(v, float) and math.isfinite(v)
+
+
+def check_keys(obj, path: str, required: Sequence[str], optional: Sequence[str] = ()) -> None:
+    if not isinstance(obj, Mapping):
+        raise PlanError(path or "<root>", "must be a mapping", obj)
+    for k in obj:
+        if k not in required and k not in optional:
+            allowed = ", ".join(list(required) + list(optional))
+            raise PlanError(key_path(path, k), f"unknown key (allowed: {allowed})", obj[k])
+    for k in required:
+        if k not in obj:
+            raise PlanError(key_path(path, k), "missing required key", show_value=False)
+
+
+def check_int(obj, path, lo=None, hi=None) -> int:
+    if not is_int(obj):
+        raise PlanError(path, "must be an integer", obj)
+    if (lo is not None and obj < lo) or (hi is not None and obj > hi):
+        raise PlanError(path, f"must be in [{lo}, {hi if hi is not None else 'inf'}]", obj)
+    return obj
+
+
+def check_choice(obj, path, choices) -> Any:
+    wrong_type = any(is_int(c) for c in choices) and not is_int(obj)
+    if wrong_type or isinstance(obj, bool) or obj not in choices:
+        raise PlanError(path, f"must be one of {list(choices)}", obj)
+    return obj
+
+
+def check_str(obj, path) -> str:
+    if not isinstance(obj, str) or not obj:
+        raise PlanError(path, "must be a non-empty string", obj)
+    return obj
+
+
+def check_list(obj, path, what: str) -> list:
+    """``obj`` must be a list (``false``, ``0``, ``{}`` or ``null`` are refused, not read as empty)."""
+    if not isinstance(obj, list):
+        raise PlanError(path, f"must be a list of {what}", obj)
+    return obj

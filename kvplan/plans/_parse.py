@@ -1,0 +1,156 @@
+"""A plan document (plain YAML data) to checked :class:`Plan` fields, key by key.
+
+Each value is checked where it is read, with its key path, before anything is built from
+it: sizes within the limits of ``_checks`` (the geometry before the per-layer list,
+``key_basis.shape`` before its base64 is decoded), lists and mappings where the schema
+says so (a falsy ``rules: false`` or ``metrics: []`` is refused, not read as empty).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from .._version import __version__
+from ..errors import PlanError
+from ..kernels.qtypes import SUPPORTED_BITS
+from ..models.geometry import LAYER_TYPES, Geometry
+from ._checks import (DEFAULT_MODALITY, KINDS, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS, SCHEMA_VERSION,
+                      check_choice, check_int, check_keys, check_list, check_str, is_int, is_num)
+from ._fields import BitRule, Provenance, QuantizerSettings, Reference, check_correction_rank
+from ._keybasis import KeyBasis
+
+_TOP = ["name", "modalities", "quantizer", "budget", "provenance", "metrics", "key_basis", "rope_inv_freq"]
+_QUANTIZER = ["group_size", "key_axis", "value_axis", "residual_length", "sink_length", "key_correction_rank",
+              "key_correction_bits", "rotation", "key_pre_rope"]
+_BPV = ["total", "payload", "scales_zeros", "residual", "correction"]
+
+
+def plan_fields(d) -> dict:
+    """Keyword arguments of :class:`Plan` for the document ``d`` (checks what one key can;
+    ``Plan.__post_init__`` checks the rest)."""
+    check_keys(d, "", ["schema_version", "model", "bits"], _TOP)
+    _schema_version(d["schema_version"])
+    name = d.get("name")
+    if name is not None:
+        check_str(name, "name")
+    geometry = _geometry(d["model"])
+    modalities = check_list(d.get("modalities", [DEFAULT_MODALITY]), "modalities", "names")
+    q = d.get("quantizer", {})
+    check_keys(q, "quantizer", [], _QUANTIZER)
+    quantizer = QuantizerSettings(**q)
+    b = d["bits"]
+    check_keys(b, "bits", ["default"], ["rules"])
+    default = check_choice(b["default"], "bits.default", SUPPORTED_BITS)
+    rules = tuple(_rule(r, f"bits.rules[{i}]")
+                  for i, r in enumerate(check_list(b.get("rules", []), "bits.rules", "rules (write [] for none)")))
+    budget = d.get("budget", {})
+    check_keys(budget, "budget", [], ["target_bpv", "reference", "bpv"])
+    rank = quantizer.key_correction_rank
+    check_correction_rank(rank, geometry.head_dim)  # before key_basis.shape is compared with it
+    key_basis = None
+    if "key_basis" in d:
+        want = (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, rank) if rank else None
+        key_basis = KeyBasis.from_dict(d["key_basis"], expected_shape=want)
+    return dict(geometry=geometry, modalities=tuple(modalities), quantizer=quantizer, default_bits=default,
+                rules=rules, target_bpv=budget.get("target_bpv"), reference=_reference(budget.get("reference", {})),
+                provenance=_provenance(d.get("provenance", {})), metrics=d.get("metrics", {}), name=name, key_basis=key_basis,
+                rope_inv_freq=_rope_inv_freq(d["rope_inv_freq"]) if "rope_inv_freq" in d else None)
+
+
+def check_stated_bpv(plan, stated) -> None:
+    """A ``budget.bpv`` written in the file must be what the plan's bits give."""
+    if stated is None:
+        return
+    check_keys(stated, "budget.bpv", [], _BPV)
+    for k, v in stated.items():
+        if not is_num(v):
+            raise PlanError(f"budget.bpv.{k}", "must be a finite number", v)
+    actual = plan.bpv().as_dict()
+    for k, v in stated.items():
+        if round(v, 6) != round(actual[k], 6):
+            raise PlanError(f"budget.bpv.{k}", f"disagrees with the plan's bits, which give {actual[k]:.6f} at the "
+                            "reference; delete budget.bpv to recompute it", v)
+
+
+def _schema_version(ver) -> None:
+    if not is_int(ver):
+        raise PlanError("schema_version", "must be an integer", ver)
+    if ver > SCHEMA_VERSION:
+        raise PlanError("schema_version", f"is newer than this kvplan supports ({SCHEMA_VERSION}); upgrade kvplan",
+                        ver)
+    if ver < 1:
+        raise PlanError("schema_version", "must be >= 1", ver)
+
+
+def _geometry(m) -> Geometry:
+    check_keys(m, "model", ["model_type", "num_layers", "num_kv_heads", "head_dim", "layer_types"], ["fingerprint"])
+    n_layers = check_int(m["num_layers"], "model.num_layers", 1, MAX_LAYERS)
+    n_kv = check_int(m["num_kv_heads"], "model.num_kv_heads", 1, MAX_KV_HEADS)
+    hd = check_int(m["head_dim"], "model.head_dim", 1, MAX_HEAD_DIM)
+    lt = m["layer_types"]
+    if isinstance(lt, str):
+        check_choice(lt, "model.layer_types", LAYER_TYPES)
+        lt = [lt] * n_layers
+    elif isinstance(lt, list):
+        if len(lt) != n_layers:
+            raise PlanError("model.layer_types", f"must have num_layers={n_layers} entries", len(lt))
+        for i, t in enumerate(lt):
+            check_choice(t, f"model.layer_types[{i}]", LAYER_TYPES)
+    else:
+        raise PlanError("model.layer_types", "must be 'full', 'sliding' or a list of them", lt)
+    geometry = Geometry(n_layers, n_kv, hd, tuple(lt), check_str(m["model_type"], "model.model_type"))
+    if "fingerprint" in m and m["fingerprint"] != geometry.fingerprint:
+        raise PlanError("model.fingerprint",
+                        f"does not match the model fields above ({geometry.fingerprint}); the plan was edited "
+                        "inconsistently", m["fingerprint"])
+    return geometry
+
+
+def _rule(r, path) -> BitRule:
+    check_keys(r, path, ["bits"], ["layers", "heads", "kind", "modality", "correct"])
+    if "correct" in r and not isinstance(r["correct"], bool):
+        raise PlanError(f"{path}.correct", "must be true or false", r["correct"])
+    check_choice(r["bits"], f"{path}.bits", SUPPORTED_BITS)
+    selectors = {}
+    for sel in ("layers", "heads"):
+        if sel in r:
+            v = [r[sel]] if is_int(r[sel]) else r[sel]
+            if not isinstance(v, list):
+                raise PlanError(f"{path}.{sel}", "must be an integer or a list of integers", v)
+            for j, x in enumerate(v):
+                if not is_int(x):
+                    raise PlanError(f"{path}.{sel}[{j}]", "must be an integer", x)
+            selectors[sel] = v
+    if "kind" in r:
+        check_choice(r["kind"], f"{path}.kind", KINDS)
+    if "modality" in r:
+        check_str(r["modality"], f"{path}.modality")
+    return BitRule(bits=r["bits"], kind=r.get("kind"), modality=r.get("modality"), correct=r.get("correct", False),
+                   **selectors)
+
+
+def _reference(ref_d) -> Reference:
+    check_keys(ref_d, "budget.reference", [], ["context_len", "modality_mix", "full_precision_bits"])
+    mix = ref_d.get("modality_mix", {DEFAULT_MODALITY: 1.0})
+    if not isinstance(mix, Mapping):
+        raise PlanError("budget.reference.modality_mix", "must be a mapping of modality to fraction", mix)
+    return Reference(ref_d.get("context_len", 4096), tuple(mix.items()), ref_d.get("full_precision_bits", 16))
+
+
+def _provenance(prov) -> Provenance:
+    check_keys(prov, "provenance", [], ["kvplan_version", "produced_by", "seed", "data_hash"])
+    for key in ("kvplan_version", "produced_by", "data_hash"):
+        if key in prov and prov[key] is not None and not isinstance(prov[key], str):
+            raise PlanError(f"provenance.{key}", "must be a string", prov[key])
+    if prov.get("seed") is not None:
+        check_int(prov["seed"], "provenance.seed")
+    return Provenance(kvplan_version=prov.get("kvplan_version", __version__),
+                      produced_by=prov.get("produced_by", "manual"), seed=prov.get("seed"),
+                      data_hash=prov.get("data_hash"))
+
+
+def _rope_inv_freq(v) -> tuple:
+    """The YAML list as it is (its entries are checked with the rest of the plan)."""
+    if not isinstance(v, list) or not v:
+        raise PlanError("rope_inv_freq", "must be a non-empty list of numbers", v)
+    return tuple(v)

@@ -1,0 +1,372 @@
+"""The plan: one dataclass for a model geometry, its per-slot resolution and (de)serialization.
+
+A plan assigns bits to every *slot* ``(layer, kv_head, kind in {k, v}, modality)``:
+a default, then rules applied in order (later rules win). See README "Plan file format".
+
+Loading (:meth:`Plan.from_yaml`) goes file bytes (``_files``: size limit, UTF-8) -> YAML
+document (``_yaml``: bounded loader) -> checked fields (``_parse``) -> :class:`Plan`, whose
+``__post_init__`` checks what needs the whole plan (``_validate_semantics``). Every failure
+on the way is a :class:`~kvplan.errors.PlanError` naming file, key path and value.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import PlanError
+from ..kernels.qtypes import FULL_PRECISION_BITS, SUPPORTED_BITS
+from ..kernels.rotation import hadamard_fits
+from ..models.geometry import Geometry
+from . import accounting
+from ._checks import (DEFAULT_MODALITY, KINDS, MAX_DEPTH, MAX_KV_UNITS, MAX_MODALITIES, SCHEMA_VERSION, check_choice,
+                      check_int, check_str, is_num, key_path, split_codes)
+from ._compress import compress, flat_rules
+from ._fields import BitRule, Provenance, QuantizerSettings, Reference, check_correction_rank
+from ._files import atomic_write_text, check_size, decode_plan_bytes, read_plan_bytes
+from ._keybasis import KeyBasis
+from ._parse import check_stated_bpv, plan_fields
+from ._yaml import dump_plan_yaml, parse_plan_yaml
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A mixed-precision KV-cache plan for one model geometry.
+
+    Build one with :func:`kvplan.baseline_plan`, :meth:`Plan.from_table` or
+    :meth:`Plan.from_yaml`; resolve it to per-slot bits with :meth:`table`.
+    """
+
+    geometry: Geometry
+    modalities: tuple[str, ...] = (DEFAULT_MODALITY,)
+    quantizer: QuantizerSettings = field(default_factory=QuantizerSettings)
+    default_bits: int = 16
+    rules: tuple[BitRule, ...] = ()
+    target_bpv: float | None = None
+    reference: Reference = field(default_factory=Reference)
+    provenance: Provenance = field(default_factory=Provenance)
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    name: str | None = None
+    key_basis: KeyBasis | None = None  # required when quantizer.key_correction_rank > 0
+    # the model's RoPE inverse frequencies [d/2], d <= head_dim; required when quantizer.key_pre_rope
+    rope_inv_freq: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "modalities", tuple(self.modalities))
+        if self.rope_inv_freq is not None:
+            object.__setattr__(self, "rope_inv_freq", tuple(self.rope_inv_freq))
+        object.__setattr__(self, "rules", tuple(self.rules))
+        if self.key_basis is not None and not isinstance(self.key_basis, KeyBasis):
+            object.__setattr__(self, "key_basis", KeyBasis(self.key_basis))
+        _validate_semantics(self)
+        if self.rope_inv_freq is not None:  # numbers, checked above
+            object.__setattr__(self, "rope_inv_freq", tuple(float(f) for f in self.rope_inv_freq))
+
+    # ------------------------------------------------------------------ resolution
+    def code_table(self) -> np.ndarray:
+        """Format code per slot ``int [num_layers, num_kv_heads, 2 (k, v), n_modalities]``: the
+        bits, plus :data:`CORRECTED` for key slots that store the key correction."""
+        g = self.geometry
+        t = np.full((g.num_layers, g.num_kv_heads, 2, len(self.modalities)), self.default_bits, dtype=np.int64)
+        for r in self.rules:
+            t[_rule_index(r, self.modalities, t.shape)] = r.code
+        return t
+
+    def table(self) -> np.ndarray:
+        """Bits per slot as ``int [num_layers, num_kv_heads, 2 (k, v), n_modalities]``."""
+        return split_codes(self.code_table())[0]
+
+    def correction_table(self) -> np.ndarray:
+        """``bool [num_layers, num_kv_heads, 2, n_modalities]``: slots storing the key correction."""
+        return split_codes(self.code_table())[1]
+
+    def slot_bits(self, layer: int, head: int, kind: str, modality: str) -> int:
+        return int(self.table()[layer, head, KINDS.index(kind), self.modalities.index(modality)])
+
+    @classmethod
+    def from_table(cls, table: np.ndarray, geometry: Geometry, modalities=(DEFAULT_MODALITY,), **kwargs) -> "Plan":
+        """Plan with exactly these per-slot bits (or format codes, see :meth:`code_table`),
+        written compactly as a default plus rules."""
+        modalities = tuple(modalities)
+        table = np.asarray(table, dtype=np.int64)
+        expected = (geometry.num_layers, geometry.num_kv_heads, 2, len(modalities))
+        if table.shape != expected:
+            raise PlanError("bits", f"table shape must be {expected}", table.shape)
+        default, rules = compress(table, modalities)
+        return cls(geometry=geometry, modalities=modalities, default_bits=default, rules=tuple(rules), **kwargs)
+
+    def with_table(self, table: np.ndarray, **changes) -> "Plan":
+        """Copy with new per-slot bits or format codes (and any other field changes)."""
+        default, rules = compress(np.asarray(table, dtype=np.int64), self.modalities)
+        return replace(self, default_bits=default, rules=tuple(rules), **changes)
+
+    def replace(self, **changes) -> "Plan":
+        return replace(self, **changes)
+
+    # ------------------------------------------------------------------ bpv
+    def bpv(self, geometry: Geometry | None = None, context_len: int | None = None, modality_mix=None,
+            full_precision_bits: int | None = None):
+        """Honest bits per value the runtime stores for this plan (see ``plans.accounting``).
+
+        Defaults to the plan's own geometry and reference (context length, modality mix).
+        """
+        ref = self.reference
+        return accounting.plan_bpv(
+            self,
+            geometry or self.geometry,
+            context_len if context_len is not None else ref.context_len,
+            modality_mix if modality_mix is not None else ref.modality_mix,
+            full_precision_bits if full_precision_bits is not None else ref.full_precision_bits,
+        )
+
+    def check_geometry(self, geometry: Geometry, source: str | None = None) -> None:
+        """Raise :class:`PlanError` unless this plan was made for ``geometry``."""
+        mine = self.geometry
+        for name in ("model_type", "num_layers", "num_kv_heads", "head_dim", "layer_types"):
+            a, b = getattr(mine, name), getattr(geometry, name)
+            if a != b:
+                raise PlanError(f"model.{name}", f"plan was made for {a!r} but the model has {b!r}",
+                                show_value=False, source=source)
+
+    # ------------------------------------------------------------------ YAML
+    def to_dict(self, flat: bool = False) -> dict:
+        g = self.geometry
+        lt = g.layer_types[0] if len(set(g.layer_types)) == 1 else list(g.layer_types)
+        if flat:
+            rules = [_rule_to_dict(r) for r in flat_rules(self.code_table(), self.modalities)]
+            default = int(self.default_bits)
+        else:
+            rules = [_rule_to_dict(r) for r in self.rules]
+            default = self.default_bits
+        bpv = self.bpv()
+        d = {
+            "schema_version": SCHEMA_VERSION,
+            "name": self.name,
+            "model": {
+                "model_type": g.model_type,
+                "num_layers": g.num_layers,
+                "num_kv_heads": g.num_kv_heads,
+                "head_dim": g.head_dim,
+                "layer_types": lt,
+                "fingerprint": g.fingerprint,
+            },
+            "modalities": list(self.modalities),
+            "quantizer": {
+                "group_size": self.quantizer.group_size,
+                "key_axis": self.quantizer.key_axis,
+                "value_axis": self.quantizer.value_axis,
+                "residual_length": self.quantizer.residual_length,
+                "sink_length": self.quantizer.sink_length,
+                **({"key_correction_rank": self.quantizer.key_correction_rank,
+                    "key_correction_bits": self.quantizer.key_correction_bits}
+                   if self.quantizer.key_correction_rank else {}),
+                **({"rotation": self.quantizer.rotation} if self.quantizer.rotation != "none" else {}),
+                **({"key_pre_rope": True} if self.quantizer.key_pre_rope else {}),
+            },
+            "bits": {"default": default, "rules": rules},
+            "budget": {
+                "target_bpv": self.target_bpv,
+                "reference": {
+                    "context_len": self.reference.context_len,
+                    "modality_mix": {k: v for k, v in self.reference.modality_mix},
+                    "full_precision_bits": self.reference.full_precision_bits,
+                },
+                "bpv": {k: round(v, 6) for k, v in bpv.as_dict().items()},
+            },
+            "provenance": {
+                "kvplan_version": self.provenance.kvplan_version,
+                "produced_by": self.provenance.produced_by,
+                "seed": self.provenance.seed,
+                "data_hash": self.provenance.data_hash,
+            },
+            "metrics": _plain(self.metrics),
+        }
+        if self.name is None:
+            del d["name"]
+        if self.rope_inv_freq is not None:
+            d["rope_inv_freq"] = list(self.rope_inv_freq)
+        if self.key_basis is not None:
+            d["key_basis"] = self.key_basis.to_dict()
+        return d
+
+    def to_yaml(self, path: str | os.PathLike | None = None, flat: bool = False) -> str:
+        """Serialize; with ``path`` the file is written atomically (temp file + rename)."""
+        text = "# kvplan plan — load with kvplan.load(model, this_file)\n" + dump_plan_yaml(self.to_dict(flat=flat))
+        if path is not None:
+            atomic_write_text(path, text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d, source: str | None = None) -> "Plan":
+        """A plan from its document (as ``yaml.safe_load`` gives it), strictly validated."""
+        try:
+            plan = cls(**plan_fields(d))
+            check_stated_bpv(plan, d["budget"].get("bpv") if "budget" in d else None)
+            return plan
+        except PlanError as e:
+            raise e.with_source(source) if source else e
+
+    @classmethod
+    def from_yaml(cls, path_or_text: str | bytes | os.PathLike) -> "Plan":
+        """Load a plan from a YAML file path, YAML text or the bytes of a file (bounded YAML
+        loader, strict validation). A one-line string is a path when it names an existing
+        file or folder or ends in ``.yaml`` / ``.yml``."""
+        source = None
+        if isinstance(path_or_text, bytes):
+            check_size(path_or_text, None)
+            text = decode_plan_bytes(path_or_text, None)
+        elif isinstance(path_or_text, os.PathLike) or (
+            isinstance(path_or_text, str) and "\n" not in path_or_text
+            and (path_or_text.endswith((".yaml", ".yml")) or os.path.exists(path_or_text))
+        ):
+            source = os.fspath(path_or_text)
+            text = decode_plan_bytes(read_plan_bytes(source), source)
+        elif isinstance(path_or_text, str):
+            text = path_or_text
+        else:
+            raise PlanError("plan", "expected a file path or YAML text", type(path_or_text).__name__)
+        check_size(text, source)
+        data = parse_plan_yaml(text, source)
+        if source is None and isinstance(data, str) and data == path_or_text.strip():
+            raise PlanError("<root>", "must be a mapping, and is no plan file either (no such file)", data)
+        return cls.from_dict(data, source=source)
+
+
+def _rule_index(r: BitRule, modalities, shape):
+    """Open-mesh index of the slots a rule selects (outer product of its selectors)."""
+    n_layers, n_heads, _, _ = shape
+    return np.ix_(
+        list(range(n_layers)) if r.layers is None else list(r.layers),
+        list(range(n_heads)) if r.heads is None else list(r.heads),
+        [0, 1] if r.kind is None else [KINDS.index(r.kind)],
+        list(range(len(modalities))) if r.modality is None else [modalities.index(r.modality)],
+    )
+
+
+def _rule_to_dict(r: BitRule) -> dict:
+    d = {}
+    if r.layers is not None:
+        d["layers"] = list(r.layers)
+    if r.heads is not None:
+        d["heads"] = list(r.heads)
+    if r.kind is not None:
+        d["kind"] = r.kind
+    if r.modality is not None:
+        d["modality"] = r.modality
+    d["bits"] = r.bits
+    if r.correct:
+        d["correct"] = True
+    return d
+
+
+def _plain(obj):
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _check_metrics(obj, path, depth=0):
+    if depth > MAX_DEPTH:
+        raise PlanError(path, f"metrics nest deeper than {MAX_DEPTH} levels", show_value=False)
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise PlanError(key_path(path, k), "metric names must be strings", k)
+            _check_metrics(v, key_path(path, k), depth + 1)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _check_metrics(v, f"{path}[{i}]", depth + 1)
+    elif not (obj is None or isinstance(obj, (str, bool)) or is_num(obj)):
+        raise PlanError(path, "metrics hold only finite numbers, strings, booleans, null, lists and mappings", obj)
+
+
+def _validate_semantics(p: Plan) -> None:
+    g = p.geometry
+    if g.num_layers * g.num_kv_heads > MAX_KV_UNITS:
+        raise PlanError("model", f"num_layers x num_kv_heads is {g.num_layers * g.num_kv_heads}; plans cover at "
+                        f"most {MAX_KV_UNITS} (layer, KV head) pairs", show_value=False)
+    for i, m in enumerate(p.modalities):
+        check_str(m, f"modalities[{i}]")
+    if not p.modalities or len(set(p.modalities)) != len(p.modalities):
+        raise PlanError("modalities", "must be a non-empty list of distinct names", list(p.modalities))
+    if len(p.modalities) > MAX_MODALITIES:
+        raise PlanError("modalities", f"has {len(p.modalities)} names; at most {MAX_MODALITIES}", show_value=False)
+    if DEFAULT_MODALITY not in p.modalities:
+        raise PlanError("modalities", f"must include {DEFAULT_MODALITY!r} (generated tokens are text)",
+                        list(p.modalities))
+    check_choice(p.default_bits, "bits.default", SUPPORTED_BITS)
+    for i, r in enumerate(p.rules):
+        path = f"bits.rules[{i}]"
+        for name, n in (("layers", g.num_layers), ("heads", g.num_kv_heads)):
+            sel = getattr(r, name)
+            if sel is None:
+                continue
+            if len(sel) == 0:
+                raise PlanError(f"{path}.{name}", "must not be empty (omit the key to match all)", [])
+            for j, idx in enumerate(sel):
+                check_int(idx, f"{path}.{name}[{j}]", 0, n - 1)
+        if r.correct:
+            if not p.quantizer.key_correction_rank:
+                raise PlanError(f"{path}.correct", "needs quantizer.key_correction_rank > 0 (and key_basis)", True)
+            if r.kind != "k":
+                raise PlanError(f"{path}.correct", "applies to keys only: the rule must say kind: k", True)
+            if r.bits == FULL_PRECISION_BITS:
+                raise PlanError(f"{path}.correct", "full-precision slots have no quantization error to correct",
+                                True)
+        if r.modality is not None and r.modality not in p.modalities:
+            raise PlanError(f"{path}.modality", f"is not one of the plan's modalities {list(p.modalities)}",
+                            r.modality)
+    if p.target_bpv is not None and not (is_num(p.target_bpv) and p.target_bpv > 0):
+        raise PlanError("budget.target_bpv", "must be a positive number or null", p.target_bpv)
+    mix = p.reference.modality_mix
+    if not mix:
+        raise PlanError("budget.reference.modality_mix", "must name at least one modality", {})
+    for name, _ in mix:  # names and fractions themselves: checked by Reference
+        if name not in p.modalities:
+            raise PlanError(key_path("budget.reference.modality_mix", name),
+                            f"is not one of the plan's modalities {list(p.modalities)}", name)
+    if abs(sum(f for _, f in mix) - 1.0) > 1e-6:
+        raise PlanError("budget.reference.modality_mix", "fractions must sum to 1", dict(mix))
+    if not isinstance(p.metrics, Mapping):
+        raise PlanError("metrics", "must be a mapping", p.metrics)
+    _check_metrics(p.metrics, "metrics")
+    rank = p.quantizer.key_correction_rank
+    check_correction_rank(rank, g.head_dim)
+    if rank and p.key_basis is None:
+        raise PlanError("key_basis", f"missing: quantizer.key_correction_rank is {rank}, so the plan must carry the "
+                        "per-head query bases", show_value=False)
+    if p.key_basis is not None:
+        want = (g.num_layers, g.num_kv_heads, g.head_dim, rank)
+        if not rank:
+            raise PlanError("key_basis", "given but quantizer.key_correction_rank is 0 (correction off)",
+                            show_value=False)
+        if p.key_basis.shape != want:
+            raise PlanError("key_basis.shape", f"must be [num_layers, num_kv_heads, head_dim, key_correction_rank] = "
+                            f"{list(want)}", list(p.key_basis.shape))
+    if p.quantizer.rotation == "hadamard" and not hadamard_fits(g.head_dim):
+        raise PlanError("quantizer.rotation", f"'hadamard' needs a power-of-two head_dim; the model's is {g.head_dim}",
+                        p.quantizer.rotation)
+    if p.quantizer.key_pre_rope and p.rope_inv_freq is None:
+        raise PlanError("rope_inv_freq", "missing: quantizer.key_pre_rope is true, so the plan must carry the "
+                        "model's RoPE inverse frequencies", show_value=False)
+    if p.rope_inv_freq is not None:
+        if not p.quantizer.key_pre_rope:
+            raise PlanError("rope_inv_freq", "given but quantizer.key_pre_rope is false", show_value=False)
+        n = len(p.rope_inv_freq)
+        if not 1 <= n <= g.head_dim // 2:
+            raise PlanError("rope_inv_freq", f"has {n} entries; must have 1 .. head_dim / 2 = {g.head_dim // 2}",
+                            show_value=False)
+        for i, f in enumerate(p.rope_inv_freq):
+            if not is_num(f):
+                raise PlanError(f"rope_inv_freq[{i}]", "must be a number (finite)", f)
+            if not f > 0:
+                raise PlanError(f"rope_inv_freq[{i}]", "must be a positive number", f)
+
+
