@@ -7,7 +7,7 @@ import os
 from typing import Sequence
 
 from ..plans import atomic_write_text
-from ._figures import render_figures, write_figures
+from ._figures import file_mode, render_figures, write_figures
 from ._html import render_html
 from ._report import ExplainError, report
 from ._text import render_text
@@ -55,6 +55,7 @@ def explain(plan_path, format: str = "text", out_dir=None, importance: bool = Tr
             if html is not None:
                 rep["html"] = html
                 atomic_write_text(html, render_html(rep, pngs))
+                os.chmod(html, file_mode())
         except OSError as e:
             raise ExplainError(f"{e.filename or out_dir or html}: cannot write ({e.strerror or e})") from None
     if format == "json":

@@ -272,6 +272,13 @@ def render_figures(rep: dict) -> dict[str, bytes]:
     return out
 
 
+def file_mode() -> int:
+    """The mode a plain ``open(path, "w")`` would give a new file (temporary files are 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_figures(out_dir: str, pngs: dict[str, bytes]) -> list[str]:
     """Write ``<name>.png`` files into ``out_dir`` as one set: all are written to temporary
     files first and renamed only when all succeeded (on failure none is left, nor a temporary
@@ -287,6 +294,7 @@ def write_figures(out_dir: str, pngs: dict[str, bytes]) -> list[str]:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+            os.chmod(tmp, file_mode())
     except BaseException:
         for tmp in tmps.values():
             if os.path.exists(tmp):
