@@ -205,13 +205,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run one command. A user error (any :class:`KVPlanError`) is one line ``kvplan: error: ...``
+    and exit status 2; anything else is a bug in kvplan: its traceback, a line asking to
+    report it, and exit status 1."""
+    import os
+    import traceback
+
+    from ._version import __version__
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "threads", None):
-        import torch
-
-        torch.set_num_threads(args.threads)
     try:
+        if args.threads is not None:
+            if args.threads < 1:
+                raise KVPlanError(f"--threads: must be a positive integer (got {args.threads})")
+            import torch
+
+            torch.set_num_threads(args.threads)
         return int(args.func(args) or 0)
     except KVPlanError as e:
         print(f"kvplan: error: {e}", file=sys.stderr)
@@ -219,6 +229,14 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("kvplan: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of our output went away (kvplan explain plan.yaml | head)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
+    except Exception:
+        traceback.print_exc()
+        print(f"kvplan: internal error: this is a bug in kvplan {__version__}, not in your input; please report it "
+              "with the traceback above and the command you ran", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
