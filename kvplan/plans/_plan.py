@@ -230,8 +230,8 @@ class Plan:
             raise PlanError("plan", "expected a file path or YAML text", type(path_or_text).__name__)
         check_size(text, source)
         data = parse_plan_yaml(text, source)
-        if source is None and isinstance(data, str) and data == path_or_text.strip():
-            raise PlanError("<root>", "must be a mapping, and is no plan file either (no such file)", data)
+        if source is None and "\n" not in text and isinstance(data, str) and data == text.strip():
+            raise PlanError("<file>", "no such plan file (nor the YAML text of a plan)", show_value=False, source=data)
         return cls.from_dict(data, source=source)
 
 

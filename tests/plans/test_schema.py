@@ -139,10 +139,6 @@ def test_malformed_plan_names_key_path(desc, doc, path):
     assert path in str(info.value)
 
 
-def test_at_least_thirty_hand_written_malformed_plans():
-    assert len(MALFORMED) >= 30
-
-
 def test_yaml_syntax_error_and_python_tags_rejected(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("schema_version: 1\nmodel: [unclosed\n")
