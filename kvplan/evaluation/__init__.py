@@ -16,10 +16,11 @@ from .baselines import (PEER_BACKENDS, evaluate_peer, head_sensitivity, headguar
 from .harness import (PreparedSample, ProtocolError, Sample, aggregate, bootstrap_ci, bootstrap_ratio,
                       build_plan_cache, cache_stats, evaluate, prepare_sample, prepare_samples, score_cache)
 from .sweep import SWEEP_BITS, condition_plan, format_ratios, format_table, sweep_prepared, write_sweep
-from .tasks import (DOC, default_task_samples, doc_split_topics, pad_token_id, task_samples, user_task_samples)
+from .tasks import (SPLITS, TaskError, default_task_samples, doc_split_topics, pad_token_id, read_jsonl,
+                    split_records, task_samples, user_task_samples)
 
 __all__ = [
-    "DOC", "PEER_BACKENDS", "SWEEP_BITS", "PreparedSample", "ProtocolError", "Sample", "aggregate",
+    "PEER_BACKENDS", "SPLITS", "TaskError", "read_jsonl", "split_records", "SWEEP_BITS", "PreparedSample", "ProtocolError", "Sample", "aggregate",
     "bootstrap_ci", "bootstrap_ratio", "build_plan_cache", "cache_stats", "condition_plan",
     "default_task_samples", "doc_split_topics", "evaluate", "evaluate_peer", "format_table", "get_model",
     "head_sensitivity", "headguard_from_sensitivity", "named_plan", "prepare_sample", "prepare_samples",
@@ -31,9 +32,9 @@ _MODELS: dict[tuple, Any] = {}
 
 
 class _threads:
-    """Temporarily set torch's intra-op threads (``None``: leave as is). One thread is the default of
-    the CLI functions: on a shared 2-core machine, 2 spinning OpenMP threads per process were ~10x
-    slower than 1 (measured while other jobs ran)."""
+    """Temporarily set torch's intra-op threads (``None``: leave as is, e.g. what ``kvplan
+    --threads`` set). On a shared 2-core machine, 2 spinning OpenMP threads per process were
+    ~10x slower than 1 (measured while other jobs ran): pass ``num_threads=1`` there."""
 
     def __init__(self, n):
         self.n = n
@@ -89,9 +90,9 @@ def _print_eval(r: dict[str, Any]) -> None:
             print(f"quantized {kind.upper()} {mod}: {n:.0f} tokens ({n / max(1, r['n']):.1f}/sample)")
 
 
-def run_eval(plan_or_baseline, model="smollm2-135m", task: str = "default", split: str = "heldout",
+def run_eval(plan_or_baseline, model="smollm2-135m", task: str = "default", split: str = "test",
              samples: int = 16, out: str | os.PathLike | None = None, *, seed: int = 0, history_tokens: int = 512,
-             eval_tokens: int = 32, dtype: str = "float32", num_threads: int | None = 1, progress: bool = True,
+             eval_tokens: int = 32, dtype: str = "float32", num_threads: int | None = None, progress: bool = True,
              verbose: bool = True) -> dict:
     """Evaluate a plan under the historical-cache protocol and return (and optionally write) the results.
 
@@ -108,8 +109,8 @@ def run_eval(plan_or_baseline, model="smollm2-135m", task: str = "default", spli
 def _prepared_task(model, dtype, task, split, samples, history_tokens, eval_tokens, seed, progress):
     """Model, task samples and their full-precision prefills: ``(m, proc, samples, prepared, modalities, kw)``."""
     m, proc = get_model(model, dtype)
-    kw = {"history_tokens": history_tokens, "eval_tokens": eval_tokens, "seed": seed} if task == "default" else {}
-    ss = task_samples(task, m, proc, split=split, n=samples, **kw)
+    kw = {"history_tokens": history_tokens, "eval_tokens": eval_tokens} if task == "default" else {}
+    ss = task_samples(task, m, proc, split=split, n=samples, seed=seed, **kw)
     prepared = prepare_samples(m, ss, pad_id=pad_token_id(proc), progress=progress)
     return m, proc, ss, prepared, _modalities(ss), kw
 
@@ -127,7 +128,7 @@ def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_
         if plan == "headguard":
             bulk = [x for x in mods if x != "text"]
             bulk_mod = bulk[0] if bulk else "text"
-            cal = task_samples(task, m, proc, split="calibration", n=min(samples, 8), **kw)
+            cal = task_samples(task, m, proc, split="calibration", n=min(samples, 8), seed=seed, **kw)
             cprep = prepare_samples(m, cal, pad_id=pad_token_id(proc), progress=progress)
             sens = head_sensitivity(m, cprep, modality=bulk_mod, progress=progress)
             plan = headguard_from_sensitivity(m, sens["score"], modalities=mods, protected_modality=bulk_mod)
@@ -146,10 +147,10 @@ def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_
     return r
 
 
-def run_sweep(model="smollm2-135m", samples: int = 16, out_dir: str | os.PathLike = "bench/results", *,
-              task: str = "default", split: str = "heldout", bits=SWEEP_BITS, seed: int = 0,
+def run_sweep(model="smollm2-135m", samples: int = 16, out_dir: str | os.PathLike = "sweep-results", *,
+              task: str = "default", split: str = "test", bits=SWEEP_BITS, seed: int = 0,
               history_tokens: int = 512, eval_tokens: int = 32, group_size: int = 32, dtype: str = "float32",
-              num_threads: int | None = 1, progress: bool = True, verbose: bool = True) -> dict:
+              num_threads: int | None = None, progress: bool = True, verbose: bool = True) -> dict:
     """{FP16, INT8, INT4, INT2} x {each modality} x {K, V}: quantize only that part of the history.
 
     Writes ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``out_dir``; returns

@@ -39,7 +39,7 @@ def parse_peer(name: str) -> tuple[str, int] | None:
 
 # ----------------------------------------------------------------------------- HeadGuard
 @torch.no_grad()
-def head_sensitivity(model, prepared: Sequence[PreparedSample], modality: str = "doc", bits: int = 2,
+def head_sensitivity(model, prepared: Sequence[PreparedSample], modality: str = "text", bits: int = 2,
                      kinds: Sequence[str] = ("k", "v"), residual_length: int = 0, group_size: int = 32,
                      layers: Sequence[int] | None = None, progress: bool = True) -> dict[str, np.ndarray]:
     """Per physical KV head ``[layers, kv_heads]`` sensitivities measured with the harness.

@@ -9,15 +9,18 @@ Protocol (DESIGN.md, "What the source documents found" item 1):
 1. The history is prefilled ONCE at full precision with a plain ``DynamicCache``; its
    K/V (``[1, H_kv, T_hist, D]`` per layer) and the FP logits of the evaluated tokens are
    kept in a :class:`PreparedSample`.
-2. For each plan a fresh :class:`~kvplan.KVPlanCache` is labelled with the history's
-   modality labels and the FP history K/V is written into it layer by layer through
-   ``cache.layers[i].update(k, v)`` -- the same runtime quantize/pack code that
-   ``kvplan.load`` uses. Only the *historical* cache is quantized: the evaluated tokens
+2. For each plan a fresh :class:`~kvplan.KVPlanCache` is made by
+   :func:`kvplan.make_cache` -- labelled from the history's token ids by the runtime's own
+   labelling, which the sample's labels must equal -- and the FP history K/V is written into
+   it layer by layer through ``cache.layers[i].update(k, v)``: the same quantize/pack code
+   and, under :func:`kvplan.runtime.attention_route`, the same attention route that
+   ``kvplan.load`` deploys (``attention="auto"``). Only the *historical* cache is quantized: the evaluated tokens
    enter the cache during their own forward pass and are returned to it at full
    precision (the runtime returns freshly written tokens unquantized).
-3. The evaluated rows (continuation, and question + each option) run as one right-padded
-   batch against the (batch-repeated) cache; logits at evaluated positions are compared
-   with the FP run.
+3. The continuation runs alone against the cache (batch 1: the forward a user runs, so the
+   same attention route), then is cropped off again and the multiple-choice rows (question
+   + each option) run as one right-padded batch against the batch-repeated cache; logits at
+   evaluated positions are compared with the FP run made the same way.
 
 Metrics per sample: KL(P_fp || P_q) over the full vocabulary averaged over the
 continuation positions, NLL of the reference continuation tokens, top-1 agreement with
@@ -36,9 +39,10 @@ import numpy as np
 import torch
 
 from ..errors import KVPlanError
+from ..models.modality import labels_from_input_ids
 from ..plans import KINDS, Plan, plan_bytes
 from ..runtime.cache import KVPlanCache
-from ..runtime.load import resolve_plan
+from ..runtime.load import attention_route, check_modalities, make_cache, resolve_plan
 
 FULL_PRECISION_BITS = 16
 
@@ -142,18 +146,28 @@ def _forward_rows(model, cache, rows: torch.Tensor, position_ids: torch.Tensor) 
     return torch.log_softmax(out.logits.float(), dim=-1)  # [R, L, V]
 
 
-def _scored(logp: torch.Tensor, sample: Sample, lengths: list[int]) -> dict[str, torch.Tensor]:
-    """The log-prob slices the metrics need: continuation positions, answer position, option tokens."""
+def _score_rows(model, cache, rows: torch.Tensor, position_ids: torch.Tensor, sample: Sample
+                ) -> dict[str, torch.Tensor]:
+    """The log-probs the metrics need, run as a user runs them on ``cache`` (batch 1, history written):
+    the continuation alone (the KL and NLL rows: the same forward, hence the same attention route,
+    as a user's), then, after cropping it off again, the multiple-choice rows as one right-padded
+    batch (answer-position distribution, option log-likelihoods)."""
     L_eval = len(sample.eval_ids)
-    d = {"eval": logp[0, :L_eval].contiguous()}
+    # position_ids: [R, L] or [3, R, L] (mrope); row 0 is the continuation
+    logp = _forward_rows(model, cache, rows[:1, :L_eval], position_ids[..., :1, :L_eval])
+    d = {"eval": logp[0].contiguous()}
     if sample.options:
+        cache.crop(-L_eval)
+        n_opt = len(sample.options)
+        cache.batch_repeat_interleave(n_opt)
+        logp = _forward_rows(model, cache, rows[1:], position_ids[..., 1:, :])
         q = len(sample.question_ids)
-        d["answer_pos"] = logp[1, q - 1].contiguous()  # [V] distribution of the first answer token
+        d["answer_pos"] = logp[0, q - 1].contiguous()  # [V] distribution of the first answer token
         lls = []
         for i, opt in enumerate(sample.options):
             pos = torch.arange(q - 1, q - 1 + len(opt))
             tgt = torch.tensor(opt, dtype=torch.long)
-            lls.append(logp[1 + i, pos, tgt].sum())
+            lls.append(logp[i, pos, tgt].sum())
         d["option_ll"] = torch.stack(lls)
     return d
 
@@ -176,6 +190,18 @@ def _choice(option_ll: torch.Tensor, options: list[list[int]]) -> int:
 
 
 # ----------------------------------------------------------------------------- preparation
+def check_labels(model, sample: Sample) -> None:
+    """Raise :class:`ProtocolError` unless the sample's modality labels are the ones the runtime
+    gives its tokens at deployment (``kvplan.load`` labels prompts from their token ids): a
+    label deployment cannot reproduce must never shape or score a plan."""
+    runtime = labels_from_input_ids(torch.tensor([sample.history_ids]), model.config)[0]
+    if list(sample.history_labels) != runtime:
+        t = next(i for i, (a, b) in enumerate(zip(sample.history_labels, runtime)) if a != b)
+        raise ProtocolError(f"sample {sample.meta.get('id', '?')}: history token {t} is labelled "
+                            f"{sample.history_labels[t]!r} but kvplan.load labels it {runtime[t]!r}; labels must be "
+                            "the runtime's (image/video token ids -> 'visual', the rest 'text')")
+
+
 @torch.no_grad()
 def prepare_sample(model, sample: Sample, pad_id: int = 0) -> PreparedSample:
     """Prefill ``sample``'s history once at full precision and score the FP reference."""
@@ -183,6 +209,7 @@ def prepare_sample(model, sample: Sample, pad_id: int = 0) -> PreparedSample:
 
     dev = _model_device(model)
     ids = torch.tensor([sample.history_ids], dtype=torch.long, device=dev)
+    check_labels(model, sample)
     inputs = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in sample.prefill_inputs.items()}
     if "pixel_values" in inputs and torch.is_floating_point(inputs["pixel_values"]):
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
@@ -206,9 +233,7 @@ def prepare_sample(model, sample: Sample, pad_id: int = 0) -> PreparedSample:
     if deltas is not None:  # mrope: text tokens after the history share one position on all 3 axes
         pos = (pos + deltas.reshape(-1)[0].to("cpu").long())[None].expand(3, R, L)
     prepared = PreparedSample(sample, kv, rows, lengths, pos.contiguous(), {})
-    fp_cache = _fp_cache(model, prepared, R)
-    logp = _forward_rows(model, fp_cache, rows, pos)
-    sc = _scored(logp, sample, lengths)
+    sc = _score_rows(model, _fp_cache(model, prepared), rows, prepared.position_ids, sample)
     fp = {"scored": sc, "nll": _nll(sc["eval"], sample.eval_ids)}
     if sample.options:
         fp["choice"] = _choice(sc["option_ll"], sample.options)
@@ -217,14 +242,12 @@ def prepare_sample(model, sample: Sample, pad_id: int = 0) -> PreparedSample:
     return prepared
 
 
-def _fp_cache(model, prepared: PreparedSample, repeats: int):
+def _fp_cache(model, prepared: PreparedSample):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     for i, (k, v) in enumerate(prepared.kv):
         cache.layers[i].update(k.clone(), v.clone())
-    if repeats > 1:
-        cache.batch_repeat_interleave(repeats)
     return cache
 
 
@@ -237,9 +260,9 @@ def prepare_samples(model, samples: Sequence[Sample], pad_id: int = 0, progress:
 
 # ----------------------------------------------------------------------------- caches
 def build_plan_cache(model, plan: Plan, prepared: PreparedSample) -> KVPlanCache:
-    """A :class:`KVPlanCache` holding ``prepared``'s history, quantized by the runtime code."""
-    cache = KVPlanCache(plan, model)
-    cache.assign_labels(prepared.sample.history_labels)
+    """A :class:`KVPlanCache` holding ``prepared``'s history, made and labelled by
+    :func:`kvplan.make_cache` (the deployment's code) and quantized by the runtime."""
+    cache = make_cache(model, plan, torch.tensor([prepared.sample.history_ids]))
     for i, (k, v) in enumerate(prepared.kv):
         cache.layers[i].update(k, v)
     return cache
@@ -275,7 +298,7 @@ def cache_stats(cache: KVPlanCache, prepared: PreparedSample, plan: Plan) -> dic
     elem = prepared.kv[0][0].element_size()
     fp_bytes = fp_slot_bytes(cache) + parts["residual"]
     bytes16 = parts["total"] - fp_bytes + fp_bytes * 2 // elem
-    expected = plan_bytes(plan, g, cache.labels_for(0, prepared.history_len), fp_bytes=2)
+    expected = plan_bytes(plan, g, cache.labels_for(0, prepared.history_len), fp_bytes=elem)
     out = {
         "history_tokens": prepared.history_len,
         "history_modalities": dict(Counter(prepared.sample.history_labels)),
@@ -288,7 +311,7 @@ def cache_stats(cache: KVPlanCache, prepared: PreparedSample, plan: Plan) -> dic
         "bpv": 8 * bytes16 / nvals if nvals else 0.0,  # same bytes with full precision counted at 16 bits
         "storage_bits": 8 * elem,
     }
-    # what plans.accounting predicts for this layout at 16-bit storage: must equal "bpv"
+    # what plans.accounting predicts for this layout at the model dtype's storage: must equal "bpv_measured"
     out["bpv_accounting"] = 8 * sum(expected.values()) / nvals if nvals else 0.0
     return out
 
@@ -343,15 +366,12 @@ def _metrics(prepared: PreparedSample, sc: dict[str, torch.Tensor]) -> dict[str,
 @torch.no_grad()
 def score_cache(model, prepared: PreparedSample, cache) -> dict[str, float]:
     """Run the evaluated rows of ``prepared`` against ``cache`` (history already written, batch 1)."""
-    R = prepared.rows.shape[0]
-    if R > 1:
-        cache.batch_repeat_interleave(R)
     if hasattr(cache, "pause_commits"):
         # The evaluated tokens reach attention at full precision either way (a KVPlanLayer returns
-        # what it reads *before* committing); skip quantizing them afterwards: nothing reads them again.
+        # what it reads *before* committing); not quantizing them afterwards keeps them in the
+        # residual, so the continuation can be cropped off before the multiple-choice rows.
         cache.pause_commits()
-    logp = _forward_rows(model, cache, prepared.rows, prepared.position_ids)
-    return _metrics(prepared, _scored(logp, prepared.sample, prepared.row_lengths))
+    return _metrics(prepared, _score_rows(model, cache, prepared.rows, prepared.position_ids, prepared.sample))
 
 
 @torch.no_grad()
@@ -444,8 +464,13 @@ def aggregate(per_sample: Sequence[dict[str, Any]], seed: int = 0, n_boot: int =
 
 
 def evaluate(model, plan, prepared: Sequence[PreparedSample], *, expect_quantized="auto", seed: int = 0,
-             progress: bool = True, desc: str | None = None, keep_samples: bool = True) -> dict[str, Any]:
+             progress: bool = True, desc: str | None = None, keep_samples: bool = True,
+             attention: str = "auto") -> dict[str, Any]:
     """Evaluate one plan (a :class:`Plan`, YAML path or baseline name) on prepared samples.
+
+    ``attention``: the route the evaluated tokens attend through, as ``kvplan.load(model,
+    plan, attention=...)`` deploys it (``"auto"``: chunked kernel on CPU, Triton on CUDA;
+    ``"dequantize"``: the model's own attention over the dequantized history).
 
     ``expect_quantized``: ``(kind, modality)`` pairs that must have quantized tokens in
     *every* sample (checked per sample, raises :class:`ProtocolError`). ``"auto"``: every
@@ -455,12 +480,14 @@ def evaluate(model, plan, prepared: Sequence[PreparedSample], *, expect_quantize
     from tqdm.auto import tqdm
 
     plan = resolve_plan(plan, model)
+    check_modalities(plan, model)
     per = []
     auto = expect_quantized == "auto"
-    for p in tqdm(prepared, desc=desc or (plan.name or "plan"), disable=not progress, leave=False):
-        r = evaluate_plan_sample(model, plan, p, None if auto else expect_quantized)
-        r["id"] = p.sample.meta.get("id")
-        per.append(r)
+    with attention_route(model, attention):
+        for p in tqdm(prepared, desc=desc or (plan.name or "plan"), disable=not progress, leave=False):
+            r = evaluate_plan_sample(model, plan, p, None if auto else expect_quantized)
+            r["id"] = p.sample.meta.get("id")
+            per.append(r)
     if auto:
         present = set()
         for p in prepared:

@@ -3,7 +3,11 @@
 Default task (``"default"``, text only): CPython's offline documentation
 (``pydoc_data.topics``). Each sample is
 
-    [system + user header: label "text"] [a window of one topic's text: label "doc"]
+    [system + user header] [a window of one topic's text]
+
+every history token labelled ``"text"``: the label :func:`kvplan.load` gives every prompt
+token of a text model, so a plan searched on this task is the plan users deploy (a
+``"doc"`` label for the document part would shape plans no deployment can reproduce).
 
 followed by the next ``eval_tokens`` tokens of the same topic (the evaluated continuation)
 and a multiple-choice *phrase recall* question whose answer needs the history: the
@@ -11,13 +15,18 @@ question quotes ``cue_tokens`` tokens of the history and asks which phrase came 
 four options are the true next ``option_tokens`` tokens and three other spans of the same
 history window (so an option's prior plausibility gives no hint).
 
-Splits are made over source *topics* (topics whose text is a copy of a part of another
-topic are dropped), assigned by a hash of the topic name: ``calibration`` and ``heldout``
-never share a topic. Everything is deterministic given the arguments.
+Splits: ``calibration`` (the search sees only this), ``validation`` (every setting or
+default chosen by measurement is chosen here) and ``test`` (reported, never used to choose;
+``"heldout"`` is accepted as its old name). The default task splits over source *topics*
+(topics whose text is a copy of a part of another topic are dropped), assigned by a hash of
+the topic name, so no two splits share a topic. Everything is deterministic given the
+arguments.
 
 User task: JSONL lines ``{"history": str, "images": [paths] (optional), "question": str,
-"choices": [str] (optional), "answer": str | int (optional)}``; VLM prompts go through the
-model's processor and image/video tokens are labelled ``"visual"``.
+"choices": [str] (optional), "answer": str | int (optional), "id": str (optional)}``; VLM
+prompts go through the model's processor and image/video tokens are labelled ``"visual"``
+(the runtime's labelling, :func:`kvplan.models.modality.labels_from_input_ids`). Records are
+split by a hash of ``(seed, id)``: half calibration, a quarter validation, a quarter test.
 """
 
 from __future__ import annotations
@@ -27,16 +36,30 @@ import json
 import os
 import random
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..errors import KVPlanError
 from ..models.modality import labels_from_input_ids
 from .harness import Sample
 
-DOC = "doc"
 TEXT = "text"
-SPLITS = ("calibration", "heldout")
+SPLITS = ("calibration", "validation", "test")
+SPLIT_ALIASES = {"heldout": "test"}  # the test split's name before there was a validation split
+ALL_RECORDS = "all"  # not a split: every record of a JSONL task (kvplan eval on data never searched on)
+
+
+class TaskError(KVPlanError, ValueError):
+    """A task file or task option is unusable (names the file, line and field)."""
+
+
+def canonical_split(split: str) -> str:
+    """``split`` checked and with old names mapped (``"heldout"`` -> ``"test"``)."""
+    split = SPLIT_ALIASES.get(split, split)
+    if split not in SPLITS:
+        raise TaskError(f"unknown split {split!r}; expected one of {list(SPLITS)}")
+    return split
 
 SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 HEADER = ("<|im_start|>system\n" + SYSTEM_PROMPT + "<|im_end|>\n<|im_start|>user\n"
@@ -68,13 +91,12 @@ def _hash(s: str) -> int:
 
 
 def split_of(topic: str) -> str:
-    """Deterministic split of a topic: by its name's hash."""
-    return SPLITS[_hash("kvplan-split:" + topic) % 2]
+    """Deterministic split of a topic: by its name's hash (about a third each)."""
+    return SPLITS[_hash("kvplan-split3:" + topic) % len(SPLITS)]
 
 
 def doc_split_topics(split: str) -> list[str]:
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    split = canonical_split(split)
     return [name for name, _ in doc_sources() if split_of(name) == split]
 
 
@@ -111,7 +133,7 @@ def _mc_phrase(doc_ids: list[int], rng: random.Random, cue: int, opt: int, n_opt
     return None
 
 
-def default_task_samples(tokenizer, split: str = "heldout", n: int = 16, history_tokens: int = 512,
+def default_task_samples(tokenizer, split: str = "test", n: int = 16, history_tokens: int = 512,
                          eval_tokens: int = 32, cue_tokens: int = 8, option_tokens: int = 6, n_options: int = 4,
                          seed: int = 0) -> list[Sample]:
     """Samples of the built-in documentation task (see module docstring).
@@ -119,11 +141,14 @@ def default_task_samples(tokenizer, split: str = "heldout", n: int = 16, history
     ``history_tokens`` counts the whole history (header + document window). Windows of a
     topic do not overlap; samples go round-robin over the split's topics.
     """
+    split = canonical_split(split)
     header = _encode(tokenizer, HEADER)
     question = _encode(tokenizer, QUESTION)
     doc_len = history_tokens - len(header)
     if doc_len < 4 * (cue_tokens + option_tokens):
-        raise ValueError(f"history_tokens={history_tokens} is too short (header alone is {len(header)} tokens)")
+        raise TaskError(f"--history-tokens {history_tokens} is too short for the built-in task: its header alone is "
+                        f"{len(header)} tokens and the document window needs at least "
+                        f"{4 * (cue_tokens + option_tokens)} more")
     need = doc_len + eval_tokens
     windows: list[list[tuple[str, int, list[int]]]] = []
     for topic in doc_split_topics(split):
@@ -137,8 +162,8 @@ def default_task_samples(tokenizer, split: str = "heldout", n: int = 16, history
     for j in range(depth):
         order += [w[j] for w in windows if j < len(w)]
     if n > len(order):
-        raise ValueError(f"split {split!r} has only {len(order)} windows of {need} tokens; ask for fewer samples "
-                         "or a shorter history")
+        raise TaskError(f"the built-in task's {split} split has only {len(order)} windows of {need} tokens, "
+                        f"{n} samples asked; ask for fewer samples or a shorter history")
     samples = []
     for topic, offset, ids in order[:n]:
         doc = ids[:doc_len]
@@ -151,7 +176,7 @@ def default_task_samples(tokenizer, split: str = "heldout", n: int = 16, history
         sid = f"{topic}@{offset}"
         samples.append(Sample(
             history_ids=header + doc,
-            history_labels=[TEXT] * len(header) + [DOC] * len(doc),
+            history_labels=[TEXT] * (len(header) + len(doc)),
             eval_ids=ids[doc_len:doc_len + eval_tokens],
             question_ids=q_ids, options=options, answer=answer,
             meta={"id": sid, "topic": topic, "offset": offset, "split": split, "task": "default"},
@@ -160,48 +185,132 @@ def default_task_samples(tokenizer, split: str = "heldout", n: int = 16, history
 
 
 # ----------------------------------------------------------------------------- user JSONL task
+RECORD_FIELDS = ("history", "images", "question", "choices", "answer", "id")
+MAX_TASK_BYTES = 1 << 30  # a task file is read whole; refuse anything larger than 1 GiB
+
+
+def _record_error(path, line: int, problem: str, value=None) -> TaskError:
+    shown = "" if value is None else f" (got {_short_repr(value)})"
+    return TaskError(f"{path}:{line}: {problem}{shown}")
+
+
+def _short_repr(v, limit: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def _check_record(rec, path, line: int) -> None:
+    if not isinstance(rec, dict):
+        raise _record_error(path, line, "a task record must be a JSON object", type(rec).__name__)
+    unknown = sorted(set(rec) - set(RECORD_FIELDS))
+    if unknown:
+        raise _record_error(path, line, f"unknown fields {unknown}; a record has {list(RECORD_FIELDS)}")
+    for key in ("history", "question"):
+        if key not in rec:
+            raise _record_error(path, line, f"missing field {key!r}")
+        if not isinstance(rec[key], str) or not rec[key].strip():
+            raise _record_error(path, line, f"field {key!r} must be a non-empty string", rec[key])
+    images = rec.get("images")
+    if images is not None and (not isinstance(images, list) or not all(isinstance(x, str) and x for x in images)):
+        raise _record_error(path, line, "field 'images' must be a list of image file paths", images)
+    choices = rec.get("choices")
+    if choices is not None and (not isinstance(choices, list) or len(choices) < 2
+                                or not all(isinstance(c, str) and c for c in choices)):
+        raise _record_error(path, line, "field 'choices' must be a list of at least 2 non-empty strings", choices)
+    if "answer" in rec:
+        a = rec["answer"]
+        if isinstance(a, bool) or not isinstance(a, (str, int)):
+            raise _record_error(path, line, "field 'answer' must be a string or a choice index", a)
+        if choices:
+            if isinstance(a, int) and not 0 <= a < len(choices):
+                raise _record_error(path, line, f"answer index out of range for {len(choices)} choices", a)
+            if isinstance(a, str) and a not in choices:
+                raise _record_error(path, line, "answer is not one of the choices", a)
+    if "id" in rec and not isinstance(rec["id"], (str, int)):
+        raise _record_error(path, line, "field 'id' must be a string or an integer", rec["id"])
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-            for key in ("history", "question"):
-                if not isinstance(rec.get(key), str):
-                    raise ValueError(f"{path}:{i}: field {key!r} must be a string")
-            unknown = set(rec) - {"history", "images", "question", "choices", "answer", "id"}
-            if unknown:
-                raise ValueError(f"{path}:{i}: unknown fields {sorted(unknown)}")
-            rec.setdefault("id", f"{os.path.basename(os.fspath(path))}:{i}")
-            rec["_base"] = os.path.dirname(os.path.abspath(path))
-            rows.append(rec)
+    """Records of a JSONL task file, checked (raises :class:`TaskError` naming file:line and field)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise TaskError(f"{path}: task file not found" if not os.path.exists(path) else
+                        f"{path}: task must be a JSONL file, not a directory")
+    size = os.path.getsize(path)
+    if size > MAX_TASK_BYTES:
+        raise TaskError(f"{path}: task file is {size} bytes; at most {MAX_TASK_BYTES} are read")
+    rows, ids = [], {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = list(f)
+    except UnicodeDecodeError as e:
+        raise TaskError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise TaskError(f"{path}: cannot read the task file ({e.strerror})") from None
+    for i, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise _record_error(path, i, f"not valid JSON ({getattr(e, 'msg', 'nested too deeply')})") from None
+        _check_record(rec, path, i)
+        rec = dict(rec)
+        rec["id"] = str(rec.get("id", f"{os.path.basename(path)}:{i}"))
+        if rec["id"] in ids:
+            raise _record_error(path, i, f"duplicate id (also on line {ids[rec['id']]})", rec["id"])
+        ids[rec["id"]] = i
+        rec["_base"] = os.path.dirname(os.path.abspath(path))
+        rec["_line"] = i
+        rows.append(rec)
+    if not rows:
+        raise TaskError(f"{path}: the task file holds no records")
     return rows
+
+
+def split_records(records: Sequence[dict[str, Any]], split: str, seed: int = 0) -> list[dict[str, Any]]:
+    """The records of ``split``: records ordered by a hash of ``(seed, id)``, then the first half
+    is calibration, the next quarter validation, the rest test (each non-empty from 3 records on)."""
+    split = canonical_split(split)
+    order = sorted(records, key=lambda r: _hash(f"kvplan-records:{seed}:{r['id']}"))
+    n = len(order)
+    n_val = max(1, n // 4) if n >= 3 else 0
+    n_test = max(1, n // 4) if n >= 2 else 0
+    n_cal = n - n_val - n_test
+    bounds = {"calibration": (0, n_cal), "validation": (n_cal, n_cal + n_val), "test": (n_cal + n_val, n)}
+    lo, hi = bounds[split]
+    return order[lo:hi]
 
 
 def _tokenizer_of(processor):
     return getattr(processor, "tokenizer", processor)
 
 
-def _load_image(path: str, base: str):
-    from PIL import Image
+def _load_image(path: str, rec: dict[str, Any]):
+    from PIL import Image, UnidentifiedImageError
 
+    base = rec.get("_base", ".")
     full = path if os.path.isabs(path) else os.path.join(base, path)
-    return Image.open(full).convert("RGB")
+    where = f"record {rec.get('id')} (line {rec.get('_line', '?')})"
+    try:
+        return Image.open(full).convert("RGB")
+    except FileNotFoundError:
+        raise TaskError(f"{where}: image file not found: {full}") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise TaskError(f"{where}: cannot read image {full} ({e})") from None
 
 
 def encode_user_record(rec: dict[str, Any], model, processor) -> Sample:
-    """One JSONL record -> :class:`Sample`. Images are placed before the history text."""
+    """One JSONL record -> :class:`Sample`. Images are placed before the history text; every
+    history token is labelled as the runtime labels it (image/video tokens ``visual``)."""
     tok = _tokenizer_of(processor)
-    images = [_load_image(p, rec.get("_base", ".")) for p in rec.get("images") or []]
+    images = [_load_image(p, rec) for p in rec.get("images") or []]
     if images:
         image_token = getattr(processor, "image_token", None)
         if image_token is None:
-            raise ValueError(f"record {rec.get('id')}: has images but the processor has no image token")
+            raise TaskError(f"record {rec.get('id')}: has images but the model's processor has no image token "
+                            "(is this a vision-language model?)")
         # one image placeholder per image, each on its own line (separate runs of visual tokens)
         text = "".join(image_token + "\n" for _ in images) + rec["history"]
         enc = processor(text=[text], images=images, return_tensors="pt")
@@ -218,7 +327,7 @@ def encode_user_record(rec: dict[str, Any], model, processor) -> Sample:
     if choices:
         options = [_encode(tok, " " + str(c)) for c in choices]
         if answer is not None:
-            ans_idx = answer if isinstance(answer, int) else [str(c) for c in choices].index(str(answer))
+            ans_idx = answer if isinstance(answer, int) else list(choices).index(answer)
         eval_ids = q_ids
     else:
         eval_ids = q_ids + (_encode(tok, " " + str(answer)) if answer is not None else [])
@@ -226,20 +335,45 @@ def encode_user_record(rec: dict[str, Any], model, processor) -> Sample:
                   answer=ans_idx, prefill_inputs=extra, meta={"id": rec.get("id"), "task": "jsonl"})
 
 
-def user_task_samples(path: str | os.PathLike, model, processor, n: int | None = None) -> list[Sample]:
-    recs = read_jsonl(path)
+def user_task_samples(path: str | os.PathLike, model, processor, n: int | None = None, split: str | None = None,
+                      seed: int = 0) -> list[Sample]:
+    """Samples of a JSONL task: all records (``split=None``) or those of one split, the first ``n``."""
+    recs = all_recs = read_jsonl(path)
+    if split is not None:
+        recs = split_records(all_recs, split, seed)
+        if not recs:
+            raise TaskError(f"{os.fspath(path)}: the {canonical_split(split)} split is empty: the task has only "
+                            f"{len(all_recs)} records (the three splits need at least 3)")
     if n is not None:
+        if n > len(recs):
+            raise TaskError(f"{os.fspath(path)}: {n} samples asked but the {split or 'whole'} "
+                            f"{'split' if split else 'task'} has {len(recs)} of the task's {len(all_recs)} records")
         recs = recs[:n]
     return [encode_user_record(r, model, processor) for r in recs]
 
 
-def task_samples(task: str, model, processor, split: str = "heldout", n: int = 16, **kwargs) -> list[Sample]:
-    """Samples of ``task``: ``"default"`` or a path to a JSONL file."""
+def check_task(task: str, samples: Mapping[str, int] | None = None, seed: int = 0) -> None:
+    """Fail fast (before a model loads) on a task file that cannot be read or whose splits hold
+    fewer records than ``samples`` (split -> number of samples asked; 0 = split unused)."""
     if task == "default":
-        return default_task_samples(_tokenizer_of(processor), split=split, n=n, **kwargs)
-    if os.path.exists(task):
-        return user_task_samples(task, model, processor, n=n)
-    raise ValueError(f"unknown task {task!r}: expected 'default' or a path to a JSONL file")
+        return
+    recs = read_jsonl(task)
+    for split, n in (samples or {}).items():
+        have = len(recs) if split == ALL_RECORDS else len(split_records(recs, split, seed))
+        if n and n > have:
+            raise TaskError(f"{task}: {n} {canonical_split(split)} samples asked but that split has {have} of the "
+                            f"task's {len(recs)} records (calibration gets half, validation and test a quarter each)")
+
+
+def task_samples(task: str, model, processor, split: str = "test", n: int = 16, seed: int = 0,
+                 **kwargs) -> list[Sample]:
+    """Samples of ``task``: ``"default"`` or a path to a JSONL file (``kwargs``: options of the
+    built-in task, e.g. ``history_tokens``). ``split="all"``: every record of a JSONL task."""
+    if task == "default":
+        if split == ALL_RECORDS:
+            raise TaskError("split 'all' is for JSONL tasks; the built-in task has calibration, validation and test")
+        return default_task_samples(_tokenizer_of(processor), split=split, n=n, seed=seed, **kwargs)
+    return user_task_samples(task, model, processor, n=n, split=None if split == ALL_RECORDS else split, seed=seed)
 
 
 def pad_token_id(processor) -> int:

@@ -1,4 +1,4 @@
-"""A small end-to-end demonstration: generate on a plan, compare memory with FP16."""
+"""A small end-to-end demonstration: generate on a plan, compare memory with the full-precision cache."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ def default_prompt() -> str:
 
 
 def generate_demo(plan="int4", model="smollm2-135m", prompt=None, max_new_tokens=48) -> dict:
-    """Generate with ``plan`` on ``model``; print the text and the cache bytes next to FP16's."""
+    """Generate with ``plan`` on ``model``; print the text and the cache bytes next to the
+    full-precision cache this model holds without kvplan (``DynamicCache`` in the model's dtype:
+    float32 on CPU by default) and next to an fp16 cache."""
     prompt = default_prompt() if prompt is None else prompt
     from ..models import load_model
     from .load import load, unload
@@ -36,6 +38,9 @@ def generate_demo(plan="int4", model="smollm2-135m", prompt=None, max_new_tokens
     n_prompt = inputs["input_ids"].shape[1]
     reply = tok.decode(out.sequences[0, n_prompt:], skip_special_tokens=True)
     parts = cache.nbytes_breakdown()
+    dtype = next(m.parameters()).dtype
+    elem = dtype.itemsize
+    native_bytes = cache.num_values() * elem
     fp16_bytes = cache.num_values() * 2
     print(f"plan: {cache.plan.name or plan}  model: {model if isinstance(model, str) else type(m).__name__}")
     print(f"prompt tokens: {n_prompt}, generated: {out.sequences.shape[1] - n_prompt}, "
@@ -43,7 +48,12 @@ def generate_demo(plan="int4", model="smollm2-135m", prompt=None, max_new_tokens
     print(f"reply: {reply.strip()}")
     print(f"kvplan cache: {parts['total']:,} bytes (codes {parts['payload']:,}, scales/zeros "
           f"{parts['scales_zeros']:,}, key correction {parts['correction']:,}, full-precision residual "
-          f"{parts['residual']:,}) = {cache.bpv():.3f} bits/value")
-    print(f"FP16 cache:   {fp16_bytes:,} bytes = 16.000 bits/value  ->  kvplan uses "
-          f"{parts['total'] / fp16_bytes:.1%} of FP16 ({time.perf_counter() - t0:.1f} s)")
-    return {"reply": reply, "bytes": parts, "fp16_bytes": fp16_bytes, "bpv": cache.bpv()}
+          f"{parts['residual']:,} in {str(dtype).removeprefix('torch.')}) = {cache.bpv():.3f} bits/value")
+    print(f"without kvplan this model caches {str(dtype).removeprefix('torch.')}: {native_bytes:,} bytes = "
+          f"{8 * elem:.3f} bits/value  ->  kvplan uses {parts['total'] / native_bytes:.1%} of it")
+    if elem != 2:
+        print(f"an fp16 cache (the same model in fp16, e.g. on a GPU): {fp16_bytes:,} bytes  ->  kvplan uses "
+              f"{parts['total'] / fp16_bytes:.1%} of it")
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    return {"reply": reply, "bytes": parts, "native_bytes": native_bytes, "native_dtype": str(dtype),
+            "fp16_bytes": fp16_bytes, "bpv": cache.bpv()}

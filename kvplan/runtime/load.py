@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -57,13 +58,32 @@ def _config(model_or_geometry):
     return getattr(model_or_geometry, "config", None)
 
 
+def runtime_modalities(model) -> tuple[str, ...]:
+    """Modalities the runtime's labelling can give ``model``'s prompt tokens: ``text``, and
+    ``visual`` for a VLM (its image/video token ids)."""
+    return ("text", "visual") if visual_token_ids(_config(model)) else ("text",)
+
+
+def check_modalities(plan: Plan, model, source: str | None = None) -> None:
+    """Refuse a plan with modalities the runtime's labelling of ``model``'s prompts never
+    produces: their rules would never apply, so the plan would not deploy as it was searched."""
+    producible = runtime_modalities(model)
+    foreign = [m for m in plan.modalities if m not in producible]
+    if foreign:
+        raise PlanError("modalities", f"{foreign} cannot be produced by the token labelling of this model (it labels "
+                        f"prompt tokens {list(producible)}); the plan was made for another labelling and would not "
+                        "store what it was searched for", list(plan.modalities), source=source)
+
+
 def make_cache(model, plan, input_ids=None, attention_mask=None) -> KVPlanCache:
     """A fresh :class:`KVPlanCache` for ``model``; with ``input_ids`` its prompt is labelled
     (image/video tokens of a VLM are ``"visual"``, the rest ``"text"``). If ``kvplan.load``
-    put the model on the fused attention, the cache uses it."""
+    (or :func:`attention_route`) put the model on the fused attention, the cache uses it."""
     kernel = getattr(model, "_kvplan_attention_kernel", None)
-    cache = KVPlanCache(resolve_plan(plan, model), model, attention_kernel=kernel)
+    resolved = resolve_plan(plan, model)
+    cache = KVPlanCache(resolved, model, attention_kernel=kernel)
     if input_ids is not None:
+        check_modalities(resolved, model)
         cache.assign_labels(labels_from_input_ids(input_ids, model.config), attention_mask)
     return cache
 
@@ -106,14 +126,10 @@ def load(model, plan, attention: str = "auto"):
     ``kvplan.unload(model)`` restores the original ``generate`` and attention.
     """
     resolved = resolve_plan(plan, model)
+    check_modalities(resolved, model, source=os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else None)
     kernel = _attention_kernel(model, attention)
     unload(model)
-    if kernel is not None:
-        from . import fused
-
-        model._kvplan_previous_attention = model.config._attn_implementation
-        fused.set_text_attention(model, fused.register())
-        model._kvplan_attention_kernel = kernel
+    _install_attention(model, kernel)
     original = model.generate
 
     @functools.wraps(original)
@@ -135,10 +151,47 @@ def unload(model):
     if gen is not None and hasattr(gen, "_kvplan_original"):
         del model.generate
     model.__dict__.pop("kvplan_plan", None)
+    _remove_attention(model)
+    return model
+
+
+def _install_attention(model, kernel) -> None:
+    """Route the text decoder's attention through kvplan's packed-cache kernel (``None``: keep
+    the model's own attention, the dequantize route)."""
+    if kernel is None:
+        return
+    from . import fused
+
+    model._kvplan_previous_attention = model.config._attn_implementation
+    fused.set_text_attention(model, fused.register())
+    model._kvplan_attention_kernel = kernel
+
+
+def _remove_attention(model) -> None:
     model.__dict__.pop("_kvplan_attention_kernel", None)
     previous = model.__dict__.pop("_kvplan_previous_attention", None)
     if previous is not None:
         from .fused import set_text_attention
 
         set_text_attention(model, previous)
-    return model
+
+
+@contextlib.contextmanager
+def attention_route(model, attention: str = "auto"):
+    """Inside the block, ``model`` attends as ``kvplan.load(model, plan, attention=attention)``
+    makes it attend (caches from :func:`make_cache` pick the same kernel): how the search's
+    scorers measure plans on the deployed route. A model already under ``kvplan.load`` keeps
+    the route ``load`` chose. Restores the model's attention afterwards."""
+    if getattr(model, "kvplan_plan", None) is not None:
+        yield model
+        return
+    kernel = _attention_kernel(model, attention)
+    saved = {k: model.__dict__[k] for k in ("_kvplan_attention_kernel", "_kvplan_previous_attention")
+             if k in model.__dict__}
+    _install_attention(model, kernel)
+    try:
+        yield model
+    finally:
+        if kernel is not None:
+            _remove_attention(model)
+        model.__dict__.update(saved)

@@ -14,7 +14,6 @@ def _one_thread():
 @pytest.fixture(scope="session")
 def smol():
     """The embedded default model (loaded once per test session)."""
-    pytest.importorskip("gguf")
     from kvplan.evaluation import get_model
 
     return get_model()
@@ -24,7 +23,7 @@ def smol():
 def doc_samples(smol):
     from kvplan.evaluation import default_task_samples
 
-    return default_task_samples(smol[1], split="heldout", n=3, history_tokens=256, eval_tokens=16)
+    return default_task_samples(smol[1], split="test", n=3, history_tokens=256, eval_tokens=16)
 
 
 @pytest.fixture(scope="session")

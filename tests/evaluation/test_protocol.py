@@ -4,19 +4,28 @@ import numpy as np
 import pytest
 import torch
 
+from dataclasses import replace
+
+from kvplan import PlanError
 from kvplan.evaluation import (ProtocolError, bootstrap_ci, bootstrap_ratio, build_plan_cache, cache_stats,
-                               condition_plan, doc_split_topics, evaluate, score_cache)
-from kvplan.evaluation.tasks import doc_sources, split_of
+                               condition_plan, doc_split_topics, evaluate, prepare_sample, score_cache)
+from kvplan.evaluation.tasks import TaskError, doc_sources, split_of
 from kvplan.models import Geometry
 from kvplan.plans import committed_length, uniform_plan
 
-MODS = ("text", "doc")
+MODS = ("text",)
 
 
-def test_splits_never_share_a_topic():
-    cal, held = set(doc_split_topics("calibration")), set(doc_split_topics("heldout"))
-    assert cal and held and not cal & held
-    assert all(split_of(t) in ("calibration", "heldout") for t, _ in doc_sources())
+def test_three_splits_never_share_a_topic():
+    splits = {s: set(doc_split_topics(s)) for s in ("calibration", "validation", "test")}
+    assert all(len(t) >= 10 for t in splits.values())  # 59 topics in all
+    assert not splits["calibration"] & splits["validation"]
+    assert not splits["calibration"] & splits["test"] and not splits["validation"] & splits["test"]
+    assert set.union(*splits.values()) == {t for t, _ in doc_sources()}
+    assert set(doc_split_topics("heldout")) == splits["test"]  # the old name of the test split
+    with pytest.raises(TaskError, match="unknown split 'train'"):
+        doc_split_topics("train")
+    assert split_of("specialnames") in splits and split_of("specialnames") == split_of("specialnames")
     names = [t for t, _ in doc_sources()]
     assert "customization" not in names  # duplicated inside 'specialnames'
 
@@ -34,14 +43,26 @@ def test_bootstrap_is_seeded():
 def test_samples_deterministic_and_labelled(smol, doc_samples):
     from kvplan.evaluation import default_task_samples
 
-    again = default_task_samples(smol[1], split="heldout", n=3, history_tokens=256, eval_tokens=16)
+    again = default_task_samples(smol[1], split="test", n=3, history_tokens=256, eval_tokens=16)
     assert [s.history_ids for s in again] == [s.history_ids for s in doc_samples]
     assert [(s.options, s.answer) for s in again] == [(s.options, s.answer) for s in doc_samples]
     for s in doc_samples:
         assert len(s.history_ids) == 256 and len(s.eval_ids) == 16
-        assert s.history_labels[0] == "text" and s.history_labels[-1] == "doc"
-        assert 0 < s.history_labels.count("text") < 64
+        # a text model's prompt tokens are all 'text' at deployment: so are the task's
+        assert s.history_labels == ["text"] * 256
         assert len(s.options) == 4 and s.options[s.answer] is not None
+    with pytest.raises(TaskError, match="only .* windows"):
+        default_task_samples(smol[1], split="test", n=100000, history_tokens=256)
+    with pytest.raises(TaskError, match="--history-tokens 40 is too short"):
+        default_task_samples(smol[1], split="test", n=1, history_tokens=40)
+
+
+@pytest.mark.slow
+def test_labels_the_runtime_cannot_reproduce_are_refused(smol, doc_samples):
+    s = doc_samples[0]
+    forged = replace(s, history_labels=["text"] * 40 + ["doc"] * (len(s.history_ids) - 40))
+    with pytest.raises(ProtocolError, match="history token 40 is labelled 'doc' but kvplan.load labels it 'text'"):
+        prepare_sample(smol[0], forged)
 
 
 @pytest.mark.slow
@@ -80,7 +101,7 @@ def test_only_history_is_quantized(smol, prepared):
     stats = cache_stats(cache, p, plan)
     committed = committed_length(T, 0, 32)
     assert sum(stats["quantized_tokens"]["k"].values()) == committed <= T
-    assert stats["bpv_accounting"] == pytest.approx(stats["bpv"])
+    assert stats["bpv_accounting"] == stats["bpv_measured"]  # accounting at the model's fp32 storage
     # reference: a plain DynamicCache holding the *dequantized* history, evaluated tokens in full precision
     ref = DynamicCache(config=model.config)
     for i, layer in enumerate(cache.layers):
@@ -100,22 +121,22 @@ def test_only_history_is_quantized(smol, prepared):
 @pytest.mark.slow
 def test_zero_quantized_condition_raises(smol, prepared):
     g = Geometry.of(smol[0])
-    # the whole history sits in the full-precision residual: nothing of 'doc' can be quantized
+    # the whole history sits in the full-precision residual: nothing can be quantized
     plan = uniform_plan(g, 16, modalities=MODS, residual_length=4096)
     t = plan.table()
-    t[:, :, 0, 1] = 2
+    t[:, :, 0, 0] = 2
     with pytest.raises(ProtocolError, match="quantized zero"):
         evaluate(smol[0], plan.with_table(t), prepared[:1], progress=False)
-    # a modality absent from the history cannot be 'meant' and silently pass either
+    # a plan for modalities this model's labelling never produces is refused, naming them
     plan3 = condition_plan(g, ("text", "doc", "visual"), 2, "visual", "k")
-    with pytest.raises(ProtocolError, match="visual"):
-        evaluate(smol[0], plan3, prepared[:1], expect_quantized=[("k", "visual")], progress=False)
+    with pytest.raises(PlanError, match=r"\['doc', 'visual'\] cannot be produced by the token labelling"):
+        evaluate(smol[0], plan3, prepared[:1], progress=False)
 
 
 @pytest.mark.slow
 def test_same_samples_same_numbers(smol, prepared):
-    plan = condition_plan(Geometry.of(smol[0]), MODS, 4, "doc", "k")
+    plan = condition_plan(Geometry.of(smol[0]), MODS, 4, "text", "k")
     a = evaluate(smol[0], plan, prepared, progress=False)
     b = evaluate(smol[0], plan, prepared, progress=False)
     assert a == b
-    assert a["quantized_tokens"]["k"]["doc"] > 0 and "v" not in a["quantized_tokens"]
+    assert a["quantized_tokens"]["k"]["text"] > 0 and "v" not in a["quantized_tokens"]
