@@ -40,11 +40,15 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_search(args) -> int:
+    from .evaluation.tasks import check_task
     from .search import DEFAULT_BITS, BpvModel, SearchSpace, parse_budget, search
-    from .search.scorers import harness_scorers
+    from .search.scorers import task_scorers
 
     budgets = args.budget if len(args.budget) > 1 else args.budget[0]
     parsed = [parse_budget(b) for b in args.budget]  # an unparsable budget fails before the model loads
+    _check_output_path(args.out, "--out")
+    check_task(args.task, {"calibration": args.samples, "validation": args.validation_samples,
+                           "test": args.test_samples}, args.seed)
 
     def check_budgets(geometry, reference, modalities):
         """Reject an unreachable budget before any full-precision prefill."""
@@ -52,10 +56,10 @@ def _cmd_search(args) -> int:
         for b in parsed:
             bmodel.check_budget(b)
 
-    scorer, heldout = harness_scorers(args.model, seed=args.seed, n_calibration=args.samples,
-                                      n_heldout=args.heldout_samples, history_tokens=args.history_tokens,
-                                      eval_tokens=args.eval_tokens, progress=not args.quiet,
-                                      before_prefill=check_budgets)
+    scorers = task_scorers(args.model, args.task, seed=args.seed, n_calibration=args.samples,
+                           n_validation=args.validation_samples, n_test=args.test_samples,
+                           history_tokens=args.history_tokens, eval_tokens=args.eval_tokens,
+                           context_len=args.context, progress=not args.quiet, before_prefill=check_budgets)
     extra = {}
     if args.sink_lengths is not None:
         extra["sink_lengths"] = tuple(args.sink_lengths)
@@ -69,15 +73,18 @@ def _cmd_search(args) -> int:
         extra["key_pre_rope"] = False
     result = search(model=args.model, budget=budgets, granularity=args.granularity, n_trials=args.trials,
                     seed=args.seed, storage=args.storage, study_name=args.study_name, out=args.out,
-                    scorer=scorer, heldout_scorer=heldout, pareto=args.pareto, surrogate=not args.no_surrogate,
+                    scorer=scorers.calibration, validation_scorer=scorers.validation, test_scorer=scorers.test,
+                    context_len=args.context, pareto=args.pareto, surrogate=not args.no_surrogate,
                     worker=args.worker, progress=not args.quiet, **extra)
     for budget, plan in sorted(result.plans.items()):
         bpv = plan.bpv()
-        held = plan.metrics.get("heldout") or {}
-        kl = (f"held-out KL {held['kl']:.4f} [{held.get('kl_ci95_lo', float('nan')):.4f}, "
-              f"{held.get('kl_ci95_hi', float('nan')):.4f}]") if "kl" in held else "no held-out measurement"
+        test = plan.metrics.get("test") or {}
+        kl = (f"test KL {test['kl']:.4f} [{test.get('kl_ci95_lo', float('nan')):.4f}, "
+              f"{test.get('kl_ci95_hi', float('nan')):.4f}]") if "kl" in test else "no test measurement"
         where = result.paths.get(f"plan@{budget:g}", result.paths.get("plan", "(not written)"))
-        print(f"budget {budget:g} bpv -> {where}: honest bpv {bpv.total:.4f} (payload {bpv.payload:.3f}, "
+        ref = plan.reference
+        print(f"budget {budget:g} bpv -> {where}: honest bpv {bpv.total:.4f} at {ref.context_len} tokens, "
+              f"{ref.full_precision_bits}-bit full-precision storage (payload {bpv.payload:.3f}, "
               f"scales/zeros {bpv.scales_zeros:.3f}, key correction {bpv.correction:.3f}, residual "
               f"{bpv.residual:.3f}); {kl}")
     print(f"{result.n_real_evals} real trials + {result.n_profile_evals} profile evaluations in "
@@ -95,7 +102,10 @@ def _cmd_explain(args) -> int:
 
 def _cmd_eval(args) -> int:
     from .evaluation import run_eval
+    from .evaluation.tasks import check_task
 
+    check_task(args.task, {args.split: args.samples}, args.seed)
+    _check_output_path(args.out, "--out")
     run_eval(args.plan, model=args.model, task=args.task, split=args.split, samples=args.samples, out=args.out,
              seed=args.seed, history_tokens=args.history_tokens, progress=not args.quiet)
     return 0
@@ -103,19 +113,59 @@ def _cmd_eval(args) -> int:
 
 def _cmd_sweep(args) -> int:
     from .evaluation import run_sweep
+    from .evaluation.tasks import check_task
 
+    check_task(args.task, {args.split: args.samples}, args.seed)
     run_sweep(model=args.model, samples=args.samples, out_dir=args.out_dir, task=args.task, split=args.split,
               seed=args.seed, history_tokens=args.history_tokens, progress=not args.quiet)
     return 0
+
+
+def _check_output_path(path, option: str) -> None:
+    """Fail before any work when ``path`` (a file to write) cannot be written."""
+    import os
+
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise KVPlanError(f"{option} {path}: is a directory, expected a file path")
+    if not os.path.isdir(parent):
+        raise KVPlanError(f"{option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise KVPlanError(f"{option} {path}: directory {parent} is not writable")
+
+
+def _int_at_least(minimum: int):
+    """An argparse type: a whole number >= ``minimum`` (argparse prints the error and exits 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {n}")
+        return n
+
+    return parse
+
+
+_positive, _non_negative = _int_at_least(1), _int_at_least(0)
+
+
+SPLIT_CHOICES = ["calibration", "validation", "test", "heldout", "all"]
 
 
 def _add_task_args(p: argparse.ArgumentParser) -> None:
     """Model and task options shared by ``eval`` and ``sweep``."""
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--task", default="default", help="'default' (offline Python docs) or a JSONL task file")
-    p.add_argument("--split", default="heldout", choices=["calibration", "heldout"])
-    p.add_argument("--samples", type=int, default=16)
-    p.add_argument("--history-tokens", type=int, default=512)
+    p.add_argument("--split", default="test", choices=SPLIT_CHOICES,
+                   help="which split of the task to measure on (heldout = test, its old name; all = every "
+                        "record of a JSONL task)")
+    p.add_argument("--samples", type=_positive, default=16)
+    p.add_argument("--history-tokens", type=_positive, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
 
@@ -138,10 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="real (scored) evaluations in the study, after the sensitivity profile "
                         "(100 evaluations on the default model)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--samples", type=int, default=12, help="calibration samples of the built-in task")
-    s.add_argument("--heldout-samples", type=int, default=16, help="held-out samples for the final measurement")
-    s.add_argument("--history-tokens", type=int, default=512, help="history length of each sample")
-    s.add_argument("--eval-tokens", type=int, default=32, help="evaluated tokens after each history")
+    s.add_argument("--task", default="default",
+                   help="'default' (offline Python docs) or a JSONL task file (records: history, optional images, "
+                        "question, choices, answer), split by record into calibration / validation / test")
+    s.add_argument("--context", type=_positive, default=None, metavar="N",
+                   help="context length the budget is stated at (default: the calibration history length)")
+    s.add_argument("--samples", type=_positive, default=12, help="calibration samples (the search sees only these)")
+    s.add_argument("--validation-samples", type=_non_negative, default=16,
+                   help="validation samples: choose the final plan among the best calibration trials (0 = off)")
+    s.add_argument("--test-samples", "--heldout-samples", dest="test_samples", type=_non_negative, default=16,
+                   help="test samples for the reported measurement (0 = none)")
+    s.add_argument("--history-tokens", type=_positive, default=512,
+                   help="history length of each sample of the built-in task")
+    s.add_argument("--eval-tokens", type=_positive, default=32,
+                   help="evaluated tokens after each history (built-in task)")
     s.add_argument("--storage", help="Optuna storage: journal file path, sqlite:///file.db or an RDB URL")
     s.add_argument("--study-name", help="study to create, join (parallel workers) or resume")
     s.add_argument("--worker", type=int, help="worker index when several processes share a study")

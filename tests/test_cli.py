@@ -73,13 +73,13 @@ def test_search_then_explain_then_load(tmp_path, smollm2):
     from kvplan import Plan
 
     out = tmp_path / "plan.yaml"
-    r = _kvplan("--threads", "1", "search", "--budget", "3.5bpv", "--samples", "2", "--heldout-samples", "2",
+    r = _kvplan("--threads", "1", "search", "--budget", "3.5bpv", "--samples", "2", "--validation-samples", "2", "--test-samples", "2",
                 "--history-tokens", "96", "--eval-tokens", "8", "--trials", "4", "--quiet", "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     plan = Plan.from_yaml(out)
     assert plan.bpv().total <= 3.5 and plan.target_bpv == 3.5
     assert plan.provenance.produced_by.startswith("kvplan search")
-    assert "heldout" in json.dumps(plan.metrics)
+    assert plan.metrics["test"]["kl"] > 0 and plan.metrics["validation"]["kl"] > 0
     r = _kvplan("explain", str(out), "--format", "json", "--figures", str(tmp_path / "fig"))
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)

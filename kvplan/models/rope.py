@@ -24,3 +24,16 @@ def rope_inv_freq(model) -> tuple[float, ...] | None:
         if buf.dim() == 1 and 1 <= buf.numel() <= head_dim // 2:
             return tuple(float(f) for f in buf.float().cpu())
     return None
+
+
+def multimodal_rope(model) -> bool:
+    """Whether the text decoder uses multimodal RoPE (Qwen2-VL / Qwen2.5-VL ``mrope_section``:
+    3-D positions for image tokens), where a key's rotation is not set by its cache index."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return False
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for params in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
+        if isinstance(params, dict) and params.get("mrope_section"):
+            return True
+    return False

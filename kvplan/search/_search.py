@@ -61,7 +61,7 @@ from optuna.trial import TrialState
 from ..errors import KVPlanError
 from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
-from ..models.rope import rope_inv_freq
+from ..models.rope import multimodal_rope, rope_inv_freq
 from ..plans import Plan, Provenance, Reference, atomic_write_text
 from ..surrogates import ForestSurrogate, PlanFeatures, log_kl
 from .budget import (
@@ -145,12 +145,25 @@ def _metrics_of(res: Mapping) -> dict:
     return out
 
 
-def _default_scorers(model, seed: int):
-    """Calibration and held-out scorers on ``model`` (a name/path or a loaded ``(model, tokenizer)``)
-    from the evaluation harness's built-in task (see :mod:`kvplan.search.scorers`)."""
-    from .scorers import harness_scorers
+def _default_scorers(model, task: str, seed: int, context_len: int | None):
+    """Calibration, validation and test scorers of ``task`` on ``model`` (a name/path or a
+    loaded ``(model, processor)``), see :func:`kvplan.search.scorers.task_scorers`."""
+    from .scorers import task_scorers
 
-    return harness_scorers(model, seed=seed)
+    return task_scorers(model, task, seed=seed, context_len=context_len)
+
+
+def _pick_on_validation(candidates: list, validation_scorer, evaluate_params) -> tuple[Any, dict, list[dict]]:
+    """The candidate trial with the lowest validation KL: ``(trial, its validation metrics, table
+    of every candidate's calibration and validation KL)``. Candidates come best-first by
+    calibration KL; ties keep that order."""
+    rows, best = [], None
+    for t in candidates:
+        m = _metrics_of(validation_scorer(evaluate_params(t.params)))
+        rows.append({"trial": t.number, "calibration_kl": t.values[0], "validation_kl": m.get("kl")})
+        if best is None or m.get("kl", math.inf) < best[1].get("kl", math.inf):
+            best = (t, m)
+    return best[0], best[1], rows
 
 
 def _key(levels, q) -> tuple:
@@ -493,8 +506,10 @@ def sidecar_paths(out) -> dict[str, str]:
 
 # ----------------------------------------------------------------------------- public API
 def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_trials: int = 60, seed: int = 0,
-           storage=None, study_name: str | None = None, out: str | os.PathLike | None = "plan.yaml", *,
-           scorer: Scorer | None = None, heldout_scorer: Scorer | None = None, reference: Reference | None = None,
+           storage=None, study_name: str | None = None, out: str | os.PathLike | None = None, *,
+           task: str = "default", context_len: int | None = None,
+           scorer: Scorer | None = None, validation_scorer: Scorer | None = None, test_scorer: Scorer | None = None,
+           heldout_scorer: Scorer | None = None, final_candidates: int = 3, reference: Reference | None = None,
            bits: Sequence[int] = DEFAULT_BITS, group_sizes: Sequence[int] = DEFAULT_GROUP_SIZES,
            residual_lengths: Sequence[int] = DEFAULT_RESIDUAL_LENGTHS, key_axes: Sequence[str] = DEFAULT_KEY_AXES,
            sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS, key_correction_rank: int | None = None,
@@ -506,12 +521,20 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            worker: int | None = None, progress: bool = True) -> SearchResult:
     """Search a mixed-precision KV-cache plan under an honest bpv budget.
 
-    ``model``: a model name/path (scored by :mod:`kvplan.evaluation`), a loaded model, or a
-    :class:`Geometry` when ``scorer`` is given. ``budget``: ``"2.5bpv"``, ``2.5`` or a list of
+    ``model``: a model name/path or a loaded ``(model, processor)`` pair, scored on ``task``
+    by :mod:`kvplan.evaluation` (or a loaded model / :class:`Geometry` when ``scorer`` is
+    given). ``task``: ``"default"`` (the built-in documentation task) or a JSONL task file
+    (``kvplan eval``'s records), split into calibration (searched on), validation (chooses the
+    final plan among the ``final_candidates`` best calibration trials) and test (reported in
+    the plan's ``metrics.test``, never used to choose). ``context_len``: where the budget is
+    stated (default: the calibration history length). ``scorer`` / ``validation_scorer`` /
+    ``test_scorer``: your own scorers instead (``heldout_scorer`` is the old name of
+    ``test_scorer``). ``budget``: ``"2.5bpv"``, ``2.5`` or a list of
     budgets (multi-objective: Pareto front of KL vs bpv, one plan per budget). ``n_trials``:
     total real evaluations the study should hold (across workers and resumes; the
     sensitivity profile's evaluations come on top). ``storage``/``study_name``: share or
-    resume a study (journal file path or RDB URL). ``out``: plan path (``None``: no files).
+    resume a study (journal file path or RDB URL). ``out``: plan path (``None``, the
+    default: no files; the CLI writes ``plan.yaml``).
     ``profile``: run the sensitivity profile (``True``), skip it (``False``), or use a profile
     measured before on the same scorer (a name -> KL mapping, as in ``result.profile``).
     ``profile_head_units``: how many of the most damaging (layer, K/V) units the profile also
@@ -536,9 +559,17 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     t_start = time.perf_counter()
     budgets = [parse_budget(b) for b in (budget if isinstance(budget, (list, tuple)) else [budget])]
     multi = pareto or len(budgets) > 1
+    if heldout_scorer is not None:
+        if test_scorer is not None:
+            raise KVPlanError("pass test_scorer or its old name heldout_scorer, not both")
+        test_scorer = heldout_scorer
     if scorer is None:
-        scorer, default_heldout = _default_scorers(model, seed)
-        heldout_scorer = heldout_scorer or default_heldout
+        scorers = _default_scorers(model, task, seed, context_len)
+        scorer = scorers.calibration
+        validation_scorer = validation_scorer or scorers.validation
+        test_scorer = test_scorer or scorers.test
+    elif task != "default":
+        raise KVPlanError("task= builds the scorers; do not pass scorer= with it")
     geometry = getattr(scorer, "geometry", None)
     if geometry is None:
         if isinstance(model, Geometry):
@@ -550,6 +581,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     modalities = tuple(getattr(scorer, "modalities", None) or ("text",))
     if reference is None:
         reference = getattr(scorer, "reference", None) or Reference()
+    if context_len is not None and reference.context_len != context_len:
+        reference = Reference(int(context_len), reference.modality_mix, reference.full_precision_bits)
     key_basis = None
     has_queries = hasattr(scorer, "model") and hasattr(scorer, "calibration_sequences")
     if key_correction_rank is None:
@@ -564,8 +597,14 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         rotation = "hadamard" if hadamard_fits(geometry.head_dim) else "none"
     rope_model = getattr(scorer, "model", None) or (model if hasattr(model, "named_buffers") else None)
     inv_freq = rope_inv_freq(rope_model) if rope_model is not None else None
+    # pre-RoPE keys are rotated back at their cache index; under multimodal (3-D) RoPE an image
+    # token's rotation is set by its grid position instead, so the frame would not be the model's
+    mrope = rope_model is not None and multimodal_rope(rope_model)
     if key_pre_rope is None:
-        key_pre_rope = inv_freq is not None
+        key_pre_rope = inv_freq is not None and not mrope
+    if key_pre_rope and mrope:
+        raise KVPlanError("key_pre_rope: this model uses multimodal RoPE (3-D positions for image tokens), which "
+                          "cache indices do not reproduce; search with key_pre_rope=False (--no-pre-rope-keys)")
     if key_pre_rope and inv_freq is None:
         raise KVPlanError("key_pre_rope needs the model's RoPE frequencies: pass a loaded RoPE model (or a scorer "
                           "with .model), or key_pre_rope=False")
@@ -651,18 +690,29 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                                len(prof) if prof else 0, "seed": seed, "study_name": study_name,
                                "surrogate": surrogate}}
     for b in sorted(budgets):
-        fits = [t for t in done if t.user_attrs["kvplan.bpv"] <= b + EPS]
+        fits = sorted((t for t in done if t.user_attrs["kvplan.bpv"] <= b + EPS), key=lambda t: (t.values[0], t.number))
         if not fits:
             continue
-        bt = min(fits, key=lambda t: (t.values[0], t.number))
+        val_metrics, val_rows = None, None
+        if validation_scorer is not None and final_candidates > 1 and len(fits) > 1:
+            bt, val_metrics, val_rows = _pick_on_validation(fits[:final_candidates], validation_scorer,
+                                                            lambda params: space.plan_of(params, reference))
+        else:
+            bt = fits[0]
+            if validation_scorer is not None:
+                val_metrics = _metrics_of(validation_scorer(space.plan_of(bt.params, reference)))
         plan = space.plan_of(bt.params, reference)
         cal = dict(bt.user_attrs.get("kvplan.metrics", {}))
         cal["kl"] = bt.values[0]
         metrics = {**base_metrics, "calibration": _plain(cal)}
         metrics["search"] = {**metrics["search"], "trial": bt.number,
                              "source": bt.user_attrs.get("kvplan.source", "")}
-        if heldout_scorer is not None:
-            metrics["heldout"] = _plain(_metrics_of(heldout_scorer(plan)))
+        if val_rows is not None:
+            metrics["search"]["validation_candidates"] = _plain(val_rows)
+        if val_metrics is not None:
+            metrics["validation"] = _plain(val_metrics)
+        if test_scorer is not None:
+            metrics["test"] = _plain(_metrics_of(test_scorer(plan)))
         bpv = plan.bpv()
         metrics["bpv"] = _plain(bpv.as_dict())
         name = f"{getattr(scorer, 'model_name', None) or geometry.model_type}-{granularity}-{b:g}bpv"

@@ -9,7 +9,7 @@ queries and then runs SDPA.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -19,14 +19,17 @@ from ..errors import KVPlanError
 _CAPTURE_NAME = "kvplan_query_capture"
 
 
-def query_second_moments(model, sequences: Iterable[Sequence[int]]) -> np.ndarray:
-    """``Σ q qᵀ`` per layer and KV head, float64 ``[L, H_kv, D, D]``, over every position of
-    ``sequences`` (token id lists, one forward pass each). Query head ``j`` belongs to KV head
-    ``j // (H_q / H_kv)``."""
+def query_second_moments(model, sequences: Iterable[Sequence[int] | Mapping[str, Any]]) -> np.ndarray:
+    """``Σ q qᵀ`` per layer and KV head of the text decoder, float64 ``[L, H_kv, D, D]``, over
+    every position of ``sequences`` (one forward pass each: a token id list, or a mapping of
+    model inputs with ``input_ids`` and e.g. a VLM's ``pixel_values``). Query head ``j``
+    belongs to KV head ``j // (H_q / H_kv)``. A VLM's vision tower keeps its own attention."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    cfg = model.config
+    from ..runtime.fused import set_text_attention
+
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     n_q = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_q
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
@@ -44,14 +47,20 @@ def query_second_moments(model, sequences: Iterable[Sequence[int]]) -> np.ndarra
     previous = cfg._attn_implementation
     device = next(model.parameters()).device
     n = 0
-    model.set_attn_implementation(_CAPTURE_NAME)
+    set_text_attention(model, _CAPTURE_NAME)
     try:
         with torch.no_grad():
-            for ids in sequences:
-                model(input_ids=torch.tensor([list(ids)], device=device), use_cache=False)
+            for item in sequences:
+                inputs = dict(item) if isinstance(item, Mapping) else {"input_ids": list(item)}
+                inputs["input_ids"] = torch.tensor([list(inputs["input_ids"])], device=device)
+                for k, v in inputs.items():
+                    if torch.is_tensor(v):
+                        v = v.to(device)
+                        inputs[k] = v.to(model.dtype) if k == "pixel_values" and v.is_floating_point() else v
+                model(**inputs, use_cache=False)
                 n += 1
     finally:
-        model.set_attn_implementation(previous)
+        set_text_attention(model, previous)
     if n == 0:
         raise KVPlanError("no calibration sequences to learn the key correction basis from")
     return acc.numpy()

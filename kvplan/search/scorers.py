@@ -6,18 +6,21 @@ quantize the history through :class:`~kvplan.KVPlanCache` and score the evaluate
 
 - the **calibration** scorer scores only the continuation (KL, NLL, top-1): the
   multiple-choice rows are dropped from its samples to make each candidate cheaper;
-- the **held-out** scorer (other topics) scores everything, including multiple-choice
-  accuracy, and reports bootstrap 95% CIs.
+- the **validation** scorer (other topics / records) chooses among the search's best
+  plans and is where defaults are chosen;
+- the **test** scorer (other topics / records again) scores everything, including
+  multiple-choice accuracy, with bootstrap 95% CIs, and is only reported.
 
 The default reference (where the budget is stated) is the calibration history layout
-itself: ``context_len`` = history length, modality mix = its text/doc fractions, so the
-plan's honest bpv is exactly what the evaluated caches store.
+itself: ``context_len`` = history length, modality mix = its label fractions (``{text:
+1.0}`` on a text model), full-precision storage at the model dtype's bits, so the plan's
+honest bpv is exactly what the evaluated caches store (``bpv_cache``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..models.geometry import Geometry
@@ -38,15 +41,17 @@ def _summary(agg: dict[str, Any], plan: Plan) -> dict[str, Any]:
             import numpy as np
 
             out["kl_se"] = float(np.std(kls, ddof=1) / np.sqrt(len(kls)))
-    out["bpv_cache"] = agg.get("bpv")
+    out["bpv_cache"] = agg.get("bpv_measured")  # 8 * real cache bytes / values, model-dtype storage
     return out
 
 
 class HarnessScorer:
-    """Scores plans on prepared samples with :func:`kvplan.evaluation.harness.evaluate`."""
+    """Scores plans on prepared samples with :func:`kvplan.evaluation.harness.evaluate`, through
+    the attention route ``kvplan.load(model, plan, attention)`` deploys (``"auto"``: the chunked
+    kernel on CPU, Triton on CUDA), so the KL it measures is the KL users get."""
 
     def __init__(self, model, prepared: Sequence, reference: Reference, modalities: Sequence[str], name: str,
-                 data_hash: str, model_name: str | None = None):
+                 data_hash: str, model_name: str | None = None, attention: str = "auto"):
         self.model = model
         self.prepared = list(prepared)
         self.geometry = Geometry.of(model)
@@ -55,11 +60,14 @@ class HarnessScorer:
         self.name = name
         self.data_hash = data_hash
         self.model_name = model_name
+        self.attention = attention
         self.calls = 0
 
-    def calibration_sequences(self) -> list[list[int]]:
-        """Token ids of each sample (history then evaluated tokens), e.g. to learn query bases."""
-        return [list(p.sample.history_ids) + list(p.sample.eval_ids) for p in self.prepared]
+    def calibration_sequences(self) -> list[dict[str, Any]]:
+        """Model inputs of each sample (history then evaluated tokens, plus e.g. a VLM's
+        ``pixel_values``), e.g. to learn query bases."""
+        return [{"input_ids": list(p.sample.history_ids) + list(p.sample.eval_ids), **p.sample.prefill_inputs}
+                for p in self.prepared]
 
     def __call__(self, plan: Plan) -> dict[str, Any]:
         from ..evaluation.harness import evaluate
@@ -67,64 +75,105 @@ class HarnessScorer:
         self.calls += 1
         # A candidate may legitimately quantize nothing of a modality (e.g. a residual longer than the
         # history); its KL is what it is, so the sweep's zero-quantized-token guard is off here.
-        agg = evaluate(self.model, plan, self.prepared, progress=False, keep_samples=True, expect_quantized=())
+        agg = evaluate(self.model, plan, self.prepared, progress=False, keep_samples=True, expect_quantized=(),
+                       attention=self.attention)
         return _summary(agg, plan)
 
 
-def reference_of(samples: Sequence) -> tuple[Reference, tuple[str, ...]]:
-    """Reference layout of the first sample's history (runs in order) and the modalities used."""
-    labels = list(samples[0].history_labels)
-    order = list(dict.fromkeys(labels))
-    runs = []
-    i = 0
-    while i < len(labels):
-        j = i
-        while j < len(labels) and labels[j] == labels[i]:
-            j += 1
-        runs.append((labels[i], j - i))
-        i = j
-    if len(runs) != len(order):
-        # non-contiguous layout: state the budget at the modality totals in first-seen order
-        runs = [(m, labels.count(m)) for m in order]
-    T = len(labels)
+def reference_of(samples: Sequence, context_len: int | None = None, full_precision_bits: int = 16
+                 ) -> tuple[Reference, tuple[str, ...]]:
+    """Where the budget is stated for ``samples`` (the calibration data) and the modalities used.
+
+    ``context_len``: the deployment context (default: the median history length). The
+    modality mix is the pooled label fractions of all histories, as runs in first-seen order
+    (one run per modality: a text model's mix is ``{text: 1.0}``). ``full_precision_bits``:
+    storage of full-precision tokens (the model dtype's bits: 32 for an fp32 model on CPU).
+    """
+    counts: dict[str, int] = {}
+    lengths = []
+    for s in samples:
+        lengths.append(len(s.history_labels))
+        for label in s.history_labels:
+            counts[label] = counts.get(label, 0) + 1
+    T = int(context_len) if context_len is not None else int(sorted(lengths)[len(lengths) // 2])
+    total = sum(counts.values())
+    names = list(counts)
     mix, acc = [], 0.0
-    for name, n in runs[:-1]:
-        f = (n + 0.5) / T  # int(f * T) == n exactly in layout_labels
+    for name in names[:-1]:
+        f = counts[name] / total
         mix.append((name, f))
         acc += f
-    mix.append((runs[-1][0], 1.0 - acc))
-    mods = tuple(order) if "text" in order else ("text",) + tuple(order)
-    return Reference(context_len=T, modality_mix=tuple(mix)), mods
+    mix.append((names[-1], 1.0 - acc))
+    mods = tuple(names) if "text" in names else ("text",) + tuple(names)
+    return Reference(context_len=T, modality_mix=tuple(mix), full_precision_bits=full_precision_bits), mods
+
+
+@dataclass
+class TaskScorers:
+    """The three scorers of a task: ``calibration`` (the search), ``validation`` (choosing
+    settings and the final plan) and ``test`` (reported only). ``None``: split not used."""
+
+    calibration: HarnessScorer
+    validation: HarnessScorer | None
+    test: HarnessScorer | None
+
+
+def storage_bits(model) -> int:
+    """Bits a full-precision cached value takes on ``model`` (its dtype: 32 for fp32, else 16)."""
+    import torch
+
+    dtype = next(model.parameters()).dtype
+    return 32 if dtype == torch.float32 else 16
+
+
+def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, n_calibration: int = 12,
+                 n_validation: int = 16, n_test: int = 16, history_tokens: int = 512, eval_tokens: int = 32,
+                 context_len: int | None = None, attention: str = "auto", progress: bool = True,
+                 before_prefill=None) -> TaskScorers:
+    """Scorers on ``task`` (``"default"``: the built-in documentation task; or a JSONL file).
+
+    ``model``: a name/path for :func:`kvplan.load_model` or a loaded ``(model, processor)``
+    pair. ``n_validation`` / ``n_test`` of 0 skip that split. ``context_len``: where the
+    budget is stated (default: the calibration history length). ``before_prefill(geometry,
+    reference, modalities)`` runs once the task's layout is known and before the (slow)
+    full-precision prefills, e.g. to reject an infeasible budget.
+    """
+    from ..evaluation.harness import prepare_samples
+    from ..evaluation.tasks import check_task, pad_token_id, task_samples
+    from ..models import load_model
+
+    check_task(task, {"calibration": n_calibration, "validation": n_validation, "test": n_test}, seed)
+    model_name = model if isinstance(model, str) else None
+    if isinstance(model, str):
+        model, proc = load_model(model)
+    else:
+        model, proc = model
+    kw = {"history_tokens": history_tokens, "eval_tokens": eval_tokens} if task == "default" else {}
+    cal = task_samples(task, model, proc, split="calibration", n=n_calibration, seed=seed, **kw)
+    # the calibration scorer scores only the continuation: cheaper, and what the search minimizes
+    cal = [replace(s, question_ids=None, options=None, answer=None) for s in cal]
+    val = task_samples(task, model, proc, split="validation", n=n_validation, seed=seed, **kw) if n_validation else []
+    test = task_samples(task, model, proc, split="test", n=n_test, seed=seed, **kw) if n_test else []
+    reference, mods = reference_of(cal, context_len, storage_bits(model))
+    if before_prefill is not None:
+        before_prefill(Geometry.of(model), reference, mods)
+    pad = pad_token_id(proc)
+    h = hashlib.sha256(repr([(s.history_ids, s.eval_ids) for s in cal]).encode()).hexdigest()[:16]
+
+    def scorer(samples, name):
+        if not samples:
+            return None
+        return HarnessScorer(model, prepare_samples(model, samples, pad, progress=progress), reference, mods, name,
+                             "sha256:" + h, model_name, attention)
+
+    return TaskScorers(scorer(cal, "calibration"), scorer(val, "validation"), scorer(test, "test"))
 
 
 def harness_scorers(model="smollm2-135m", *, seed: int = 0, n_calibration: int = 12, n_heldout: int = 16,
                     history_tokens: int = 512, eval_tokens: int = 32, progress: bool = True, before_prefill=None):
-    """``(calibration_scorer, heldout_scorer)`` on the built-in documentation task.
-
-    ``model``: a name/path for :func:`kvplan.load_model` or a loaded ``(model, tokenizer)``
-    pair. ``before_prefill(geometry, reference, modalities)`` runs once the task's layout is
-    known and before the (slow) full-precision prefills, e.g. to reject an infeasible budget.
-    """
-    from ..evaluation.harness import prepare_samples
-    from ..evaluation.tasks import default_task_samples, pad_token_id
-    from ..models import load_model
-
-    model_name = model if isinstance(model, str) else None
-    if isinstance(model, str):
-        model, tok = load_model(model)
-    else:
-        model, tok = model
-    cal = default_task_samples(tok, split="calibration", n=n_calibration, history_tokens=history_tokens,
-                               eval_tokens=eval_tokens, seed=seed)
-    cal = [replace(s, question_ids=None, options=None, answer=None) for s in cal]
-    held = default_task_samples(tok, split="heldout", n=n_heldout, history_tokens=history_tokens,
-                                eval_tokens=eval_tokens, seed=seed)
-    reference, mods = reference_of(cal)
-    if before_prefill is not None:
-        before_prefill(Geometry.of(model), reference, mods)
-    pad = pad_token_id(tok)
-    h = hashlib.sha256(repr([(s.history_ids, s.eval_ids) for s in cal]).encode()).hexdigest()[:16]
-    cal_p = prepare_samples(model, cal, pad, progress=progress)
-    held_p = prepare_samples(model, held, pad, progress=progress)
-    return (HarnessScorer(model, cal_p, reference, mods, "calibration", "sha256:" + h, model_name),
-            HarnessScorer(model, held_p, reference, mods, "heldout", "sha256:" + h, model_name))
+    """``(calibration_scorer, test_scorer)`` on the built-in task (no validation split), as
+    the benchmark scripts use them; see :func:`task_scorers`."""
+    s = task_scorers(model, seed=seed, n_calibration=n_calibration, n_validation=0, n_test=n_heldout,
+                     history_tokens=history_tokens, eval_tokens=eval_tokens, progress=progress,
+                     before_prefill=before_prefill)
+    return s.calibration, s.test

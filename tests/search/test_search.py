@@ -67,7 +67,7 @@ def test_export_and_history(run):
     assert np.array_equal(plan.table(), r.plan.table())
     assert plan.target_bpv == 2.8
     assert plan.bpv().total <= 2.8 + 1e-9
-    assert plan.metrics["heldout"]["kl"] > 0
+    assert plan.metrics["test"]["kl"] > 0
     assert plan.metrics["bpv"]["total"] == pytest.approx(plan.bpv().total)
     assert plan.provenance.produced_by == "kvplan search" and plan.provenance.seed == 0
     with open(str(out).replace(".yaml", ".trials.csv")) as f:
