@@ -48,12 +48,17 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
 
 
-def quantize(x, bits, group_size, axis, start_offset=0):
-    """Quantize ``x [B, h, T, D]`` to ``(packed codes, scale, zero)``; see ``reference`` for layout."""
+def quantize(x, bits, group_size, axis, start_offset=0, range_flag=None):
+    """Quantize ``x [B, h, T, D]`` to ``(packed codes, scale, zero)``; see ``reference`` for layout.
+
+    Values outside the fp16 range of the scales raise ``ValueError``; with ``range_flag`` (int32
+    ``[1]`` on ``x``'s device) the Triton kernel raises the flag instead, without a host sync,
+    for the caller to check later (the reference always checks at once).
+    """
     if _use_triton(x):
         from . import triton_kernels
 
-        return triton_kernels.quantize(x, bits, group_size, axis, start_offset)
+        return triton_kernels.quantize(x, bits, group_size, axis, start_offset, range_flag=range_flag)
     return reference.quantize(x, bits, group_size, axis, start_offset)
 
 

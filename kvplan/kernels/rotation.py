@@ -24,7 +24,7 @@ import math
 
 import torch
 
-__all__ = ["Rotation", "hadamard_fits", "hadamard_matrix", "rope_rotate"]
+__all__ = ["Rotation", "hadamard_fits", "hadamard_matrix", "rope_rotate", "rotate_pairs_"]
 
 
 def hadamard_fits(head_dim: int) -> bool:
@@ -58,12 +58,18 @@ def rope_rotate(x: torch.Tensor, position: int, inv_freq: torch.Tensor, sign: fl
 
 def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x [..., T, D]`` with its rotate-half pairs turned by the angles of ``cos`` / ``sin [T, d/2]``."""
+    return rotate_pairs_(x.clone(), cos, sin)
+
+
+def rotate_pairs_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """In place: turn the rotate-half pairs ``(i, i + d/2)`` of fp32 ``x [..., T, D]`` by the angles
+    of ``cos`` / ``sin [T, d/2]`` (one ``[..., T, d/2]`` temporary); returns ``x``."""
     half = cos.shape[-1]
     a, b = x[..., :half], x[..., half : 2 * half]
-    out = x.clone()
-    out[..., :half] = a * cos - b * sin
-    out[..., half : 2 * half] = b * cos + a * sin
-    return out
+    a_sin = a * sin
+    a.mul_(cos).sub_(b * sin)  # a cos - b sin
+    b.mul_(cos).add_(a_sin)  # b cos + a sin
+    return x
 
 
 class Rotation:
@@ -80,8 +86,27 @@ class Rotation:
         # cos / sin of cache indices 0 .. n-1 ([n, d/2] fp32), grown by doubling: every read of
         # the history needs them, so they are computed once, not per block and step
         self._cos = self._sin = None
+        self._tile = None  # tile_matrices(), built once
 
-    def _angles(self, position: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def tile_matrices(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``A, A·P [D, D]`` with which a kernel reads a key tile ``ŷ`` of the pre-RoPE frame:
+        ``ŷ A = ŷ Hᵀ`` (``A = H``, or ``I`` without a Hadamard) and ``ŷ A P = rotate_half(ŷ A)``
+        (``(xP)_i = -x_{i+h}`` for ``i < h``, ``x_{i-h}`` for ``h <= i < 2h``, 0 past the rotary
+        channels), so that RoPE is ``ŷA·cos + ŷAP·sin``."""
+        if self._tile is None or self._tile[0].shape[0] != head_dim:
+            dev = self.inv_freq.device
+            a = self.hadamard if self.hadamard is not None else torch.eye(head_dim, device=dev)
+            h = self.inv_freq.shape[0]
+            p = torch.zeros(head_dim, head_dim, device=dev)
+            i = torch.arange(h, device=dev)
+            p[i + h, i] = -1.0
+            p[i, i + h] = 1.0
+            self._tile = (a.contiguous(), (a @ p).contiguous())
+        return self._tile
+
+    def angles(self, position: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``cos`` / ``sin [length, d/2]`` of cache indices ``position .. position + length - 1``
+        (views of the table; needs ``inv_freq``)."""
         stop = position + length
         have = 0 if self._cos is None else self._cos.shape[0]
         if stop > have:
@@ -95,7 +120,7 @@ class Rotation:
         """``x [B, h, T, D]`` of tokens from cache index ``position`` -> rotated fp32."""
         y = x.float()
         if self.inv_freq is not None:
-            cos, sin = self._angles(position, y.shape[-2])
+            cos, sin = self.angles(position, y.shape[-2])
             y = _rotate_pairs(y, cos, -sin)
         if self.hadamard is not None:
             y = y @ self.hadamard
@@ -107,6 +132,6 @@ class Rotation:
         if self.hadamard is not None:
             x = x @ self.hadamard  # H is symmetric and orthogonal: its own inverse
         if self.inv_freq is not None:
-            cos, sin = self._angles(position, x.shape[-2])
+            cos, sin = self.angles(position, x.shape[-2])
             x = _rotate_pairs(x, cos, sin)
         return x

@@ -344,14 +344,18 @@ def _token_group(group_size: int, D: int) -> tuple[int, int]:
 
 
 def quantize(
-    x: torch.Tensor, bits: int, group_size: int, axis: str, start_offset: int = 0, *, check_range: bool = True
+    x: torch.Tensor, bits: int, group_size: int, axis: str, start_offset: int = 0, *, check_range: bool = True,
+    range_flag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x [B, h, T, D]`` to ``(packed uint8 codes, scale fp16, zero fp16)``.
 
     Same signature, layout and values as :func:`kvplan.kernels.reference.quantize`
     (scales / zeros bitwise equal, codes equal up to fp32 rounding of ``(x - z) / s``).
-    ``check_range`` raises like the reference when a group leaves the fp16 range (one
-    device sync); pass ``False`` to skip the check.
+    ``check_range`` raises like the reference when a group leaves the fp16 range: that reads a
+    device flag back, the one host synchronisation of this call. With ``range_flag`` (an int32
+    ``[1]`` device tensor) the kernel raises that flag instead (to 1, never back to 0) and
+    nothing is read back here: the caller checks it once for many calls (the cache does so
+    once per commit); ``check_range=False`` skips the check.
     """
     qtype(bits)  # validates bits
     if x.dim() != 4:
@@ -363,7 +367,7 @@ def quantize(
     cpu_, ub, ubp = _unit_params(bits)
     rb = packed_row_bytes(D, bits)
     packed = torch.empty(B, h, T, rb, dtype=torch.uint8, device=x.device)
-    flag = torch.zeros(1, dtype=torch.int32, device=x.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=x.device) if range_flag is None else range_flag
     block_d = max(triton.next_power_of_2(D), 8)
     if axis == "token":
         g, g_block = _token_group(group_size, D)
@@ -396,7 +400,7 @@ def quantize(
             )
     else:
         raise ValueError(f"unknown quantization axis {axis!r}; expected 'token' or 'channel'")
-    if check_range and T and bool(flag.item()):
+    if range_flag is None and check_range and T and bool(flag.item()):  # host sync (see the docstring)
         xf = x.float()
         raise ValueError(
             "KV values exceed the fp16 range of the stored scales/zero-points "
@@ -454,6 +458,9 @@ def _block_partial_attn_kernel(
     KC, KS, KZ, skc_b, skc_h, skc_t, sks_b, sks_h, sks_g,  # K source of one segment / head group
     VC, VS, VZ, svc_b, svc_h, svc_t, svs_b, svs_h, svs_g,  # V source (its own head group)
     HMAP,  # int32 [n_heads, 3]: (kv head, local head in K source, local head in V source)
+    KA, KB, KCOS, KSIN,  # pre-RoPE keys: fp32 [D, D] H and H·P_rot-half; fp32 cos / sin [T_SEG, HALF]
+    ZC, ZS, ZZ, szc_b, szc_h, szc_t, szs_b, szs_h, szs_g,  # key correction codes ẑ [B, h, T, r] (channel axis)
+    QU, squ_b, squ_h, squ_m,  # fp32 q·U [B, h_K, M, RP] per local K head (rows as in the query tile)
     MASK, sm_b, sm_h, sm_q, sm_t,  # additive fp32 mask [B, Hq, Tq, T_total] (broadcast dims: stride 0)
     MO, LO, AO,  # partials: m, l fp32 [B, Hkv, M, S_total]; acc fp32 [B, Hkv, M, S_total, D]
     so_b, so_h, so_m, sa_b, sa_h, sa_m, sa_s,
@@ -461,11 +468,13 @@ def _block_partial_attn_kernel(
     TOK_BASE,  # index of the segment's first token in the mask's last dim
     SPLIT_LEN,  # tokens per program
     SLOT_BASE,  # first split slot of this segment in the partial buffers
-    K_OFF, V_OFF,  # channel-axis start offsets
+    K_OFF, V_OFF, Z_OFF,  # channel-axis start offsets (keys, values, correction codes)
     qk_scale,  # sm_scale * log2(e)
     N_REP: tl.constexpr, TQ: tl.constexpr, D: tl.constexpr,
     K_BITS: tl.constexpr, K_CHANNEL: tl.constexpr, K_GS: tl.constexpr, K_G: tl.constexpr,
     V_BITS: tl.constexpr, V_CHANNEL: tl.constexpr, V_GS: tl.constexpr, V_G: tl.constexpr,
+    K_ROPE: tl.constexpr, HALF: tl.constexpr,  # keys in the pre-RoPE frame; rotary pairs (i, i + HALF)
+    K_CORR: tl.constexpr, Z_BITS: tl.constexpr, R_DIM: tl.constexpr, RP: tl.constexpr,  # key correction
     HAS_MASK: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -475,6 +484,14 @@ def _block_partial_attn_kernel(
     token or channel axis) or a full-precision tensor ``[B, h, T, D]`` (``BITS == 16``: a
     16-bit PackedBlock or the residual). Keys and values are dequantized tile by tile in
     registers; nothing dequantized is written to memory.
+
+    The codec's transforms (see :func:`packed_decode_attention` for which run where):
+    ``K_ROPE``: a key tile ``ŷ [BLOCK_N, D]`` is brought to the attended frame in registers,
+    ``x = ŷ·KA`` and ``x_rh = ŷ·KB`` (two tile products; ``KA = H`` or ``I``, ``KB = KA·P`` with
+    ``P`` the rotate-half signed permutation), then ``k = x·cos + x_rh·sin`` with the cos / sin
+    of the tile's cache indices (channels past ``2 * HALF`` get cos 1, sin 0). ``K_CORR``: the
+    correction code tile ``ẑ [BLOCK_N, RP]`` is dequantized too and ``(q U)·ẑ`` (``QU``, ``r``
+    numbers per row) is added to the scores.
 
     GQA packing: the ``M = N_REP * TQ`` query rows that share KV head ``kvh`` form one tile;
     row ``m`` is query head ``kvh * N_REP + m // TQ``, query position ``m % TQ``.
@@ -512,6 +529,25 @@ def _block_partial_attn_kernel(
     v_s = VS + b * svs_b + vh * svs_h
     v_z = VZ + b * svs_b + vh * svs_h
 
+    if K_CORR:
+        rr = tl.arange(0, RP)
+        qu = tl.load(QU + b * squ_b + kh * squ_h + rows[:, None] * squ_m + rr[None, :],
+                     mask=row_ok[:, None] & (rr < R_DIM)[None, :], other=0.0) * qk_scale  # [BLOCK_M, RP]
+        z_c = ZC + b * szc_b + kh * szc_h
+        z_s = ZS + b * szs_b + kh * szs_h
+        z_z = ZZ + b * szs_b + kh * szs_h
+    if K_ROPE:
+        # the two [D, D] matrices are loaded once per program, in the dot's dtype (fp16 / bf16:
+        # 16 KB at D = 64; not measured on a GPU yet, see bench/gpu.sh, whether D = 128 spills)
+        dd = d[:, None] * D + d[None, :]
+        dd_ok = d_ok[:, None] & d_ok[None, :]
+        ka = tl.load(KA + dd, mask=dd_ok, other=0.0)
+        kb = tl.load(KB + dd, mask=dd_ok, other=0.0)
+        if not DOT_F32:
+            ka = ka.to(Q.dtype.element_ty)
+            kb = kb.to(Q.dtype.element_ty)
+        rope_d = (d < 2 * HALF)[None, :]
+
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -522,10 +558,27 @@ def _block_partial_attn_kernel(
         t_ok = t < t_end
         k = _load_dequant_tile(k_c, k_s, k_z, skc_t, sks_g, t, t_ok, K_OFF,
                                D, K_BITS, K_CHANNEL, K_GS, K_G, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        if K_ROPE:
+            if DOT_F32:
+                x = tl.dot(k, ka, input_precision="ieee")
+                x_rh = tl.dot(k, kb, input_precision="ieee")
+            else:
+                k_lo = k.to(Q.dtype.element_ty)
+                x = tl.dot(k_lo, ka)
+                x_rh = tl.dot(k_lo, kb)
+            cs_m = t_ok[:, None] & rope_d
+            cs_o = t[:, None].to(tl.int64) * HALF + (d % HALF)[None, :]
+            cs = tl.load(KCOS + cs_o, mask=cs_m, other=1.0)
+            sn = tl.load(KSIN + cs_o, mask=cs_m, other=0.0)
+            k = x * cs + x_rh * sn
         if DOT_F32:
             s = tl.dot(q_dot, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q_dot, tl.trans(k.to(Q.dtype.element_ty)))  # [BLOCK_M, BLOCK_N] fp32
+        if K_CORR:
+            z = _load_dequant_tile(z_c, z_s, z_z, szc_t, szs_g, t, t_ok, Z_OFF,
+                                   R_DIM, Z_BITS, True, K_GS, 1, BLOCK_N, RP)  # [BLOCK_N, RP]
+            s = s + tl.sum(qu[:, None, :] * z[None, :, :], axis=2)
         if HAS_MASK:
             mk = tl.load(
                 MASK + b * sm_b + hq[:, None] * sm_h + tq[:, None] * sm_q + (TOK_BASE + t)[None, :].to(tl.int64) * sm_t,
@@ -556,14 +609,22 @@ def _block_partial_attn_kernel(
 
 
 class _Source:
-    """One side (K or V) of a launch: a PackedBlock's tensors, or a full-precision tensor."""
+    """One side (K or V) of a launch: a PackedBlock's tensors, or a full-precision tensor.
 
-    __slots__ = ("codes", "scale", "zero", "bits", "channel", "gs", "g", "off", "length", "heads")
+    ``rotation`` / ``position``: the block's codec rotation (:class:`~kvplan.kernels.rotation.Rotation`)
+    and the cache index of its first token; ``corr`` / ``basis``: the key correction code (a
+    nested source) and ``U [h, D, r]``.
+    """
 
-    def __init__(self, codes, scale, zero, bits, axis, group_size, start_offset, length, head_dim, heads):
+    __slots__ = ("codes", "scale", "zero", "bits", "channel", "gs", "g", "off", "length", "heads", "rotation",
+                 "position", "corr", "basis")
+
+    def __init__(self, codes, scale, zero, bits, axis, group_size, start_offset, length, head_dim, heads,
+                 rotation=None, position=0, corr=None, basis=None):
         self.bits = int(bits)
         self.heads = tuple(int(h) for h in heads)
         self.length = int(length)
+        self.rotation, self.position, self.corr, self.basis = rotation, int(position), corr, basis
         if self.bits == FULL_PRECISION_BITS:
             self.codes = codes if codes.stride(-1) == 1 else codes.contiguous()
             self.scale = self.zero = self.codes  # unused placeholders
@@ -585,26 +646,46 @@ class _Source:
 
     @classmethod
     def from_block(cls, blk) -> "_Source":
-        return cls(blk.codes, blk.scale, blk.zero, blk.bits, blk.axis, blk.group_size,
-                   blk.start_offset, blk.length, blk.head_dim, blk.heads)
+        corr = getattr(blk, "correction", None)
+        return cls(blk.codes, blk.scale, blk.zero, blk.bits, blk.axis, blk.group_size, blk.start_offset, blk.length,
+                   blk.head_dim, blk.heads, getattr(blk, "rotation", None), getattr(blk, "position", 0),
+                   None if corr is None else cls.from_block(corr), getattr(blk, "basis", None))
 
     @classmethod
     def from_tensor(cls, x: torch.Tensor) -> "_Source":
         return cls(x, None, None, FULL_PRECISION_BITS, "token", 1, 0, x.shape[2], x.shape[3], range(x.shape[1]))
 
+    @property
+    def pre_rope(self) -> bool:
+        return self.rotation is not None and self.rotation.inv_freq is not None
 
-_HMAP_CACHE: dict = {}
+    @property
+    def query_hadamard(self) -> bool:
+        """Keys stored times ``H`` without the pre-RoPE frame: the launch takes ``q H``."""
+        return self.rotation is not None and self.rotation.inv_freq is None
+
+
+_DEVICE_CACHE: dict = {}
+
+
+def _cached(key: tuple, make) -> torch.Tensor:
+    """``make()`` once per ``key`` (small layout tensors built on the host): a decode step reuses
+    the device tensors of the layouts it has seen, with no host-to-device copy."""
+    t = _DEVICE_CACHE.get(key)
+    if t is None:
+        if len(_DEVICE_CACHE) > 4096:
+            _DEVICE_CACHE.clear()
+        t = _DEVICE_CACHE[key] = make()
+    return t
+
+
+def _device_ints(values: tuple, device) -> torch.Tensor:
+    """int32 tensor of ``values`` on ``device`` (cached)."""
+    return _cached(("ints", values, str(device)), lambda: torch.tensor(values, dtype=torch.int32, device=device))
 
 
 def _hmap(rows: tuple, device) -> torch.Tensor:
-    key = (rows, str(device))
-    t = _HMAP_CACHE.get(key)
-    if t is None:
-        if len(_HMAP_CACHE) > 4096:
-            _HMAP_CACHE.clear()
-        t = torch.tensor(rows, dtype=torch.int32, device=device).reshape(-1, 3)
-        _HMAP_CACHE[key] = t
-    return t
+    return _device_ints(rows, device).reshape(-1, 3)
 
 
 def block_partial_attention(
@@ -619,14 +700,16 @@ def block_partial_attention(
     slot_base: int,
     split_len: int,
     block_n: int = 64,
+    qu: torch.Tensor | None = None,
 ) -> int:
     """Launch :func:`_block_partial_attn_kernel` for one K source / V source pair.
 
-    ``q [B, Hq, Tq, D]``; ``heads``: ``(kv head, local K head, local V head)`` for the KV heads
-    the two sources share; ``mask``: additive fp32 ``[B, Hq, Tq, T_total]`` (expanded, may have
-    zero strides) or ``None``; ``partials = (m, l, acc)`` with m, l ``[B, Hkv, M, S_total]`` and
-    acc ``[B, Hkv, M, S_total, D]`` (``M = n_rep * Tq``); writes slots
-    ``[slot_base, slot_base + n_splits)``. Returns ``n_splits = cdiv(T_seg, split_len)``.
+    ``q [B, Hq, Tq, D]`` (already ``q H`` when ``k_src.query_hadamard``); ``heads``: ``(kv head,
+    local K head, local V head)`` for the KV heads the two sources share; ``mask``: additive fp32
+    ``[B, Hq, Tq, T_total]`` (expanded, may have zero strides) or ``None``; ``partials = (m, l,
+    acc)`` with m, l ``[B, Hkv, M, S_total]`` and acc ``[B, Hkv, M, S_total, D]`` (``M = n_rep *
+    Tq``); ``qu``: fp32 ``q U [B, h_K, M, RP]`` when ``k_src`` carries a key correction. Writes
+    slots ``[slot_base, slot_base + n_splits)``. Returns ``n_splits = cdiv(T_seg, split_len)``.
     """
     B, Hq, Tq, D = q.shape
     T_seg = k_src.length
@@ -646,25 +729,64 @@ def block_partial_attention(
     block_d = max(16, triton.next_power_of_2(D))
     kc, vc = k_src.codes, v_src.codes
     ks, vs = k_src.scale, v_src.scale
+    if k_src.pre_rope:
+        rot = k_src.rotation
+        ka, kb = rot.tile_matrices(D)
+        kcos, ksin = rot.angles(k_src.position, T_seg)  # [T_seg, HALF] rows of the table: contiguous
+        half = kcos.shape[-1]
+    else:
+        ka = kb = kcos = ksin = mo
+        half = 1
+    z = k_src.corr
+    if z is not None:
+        zc, zs, zz, z_bits, z_off, rp = z.codes, z.scale, z.zero, z.bits, z.off, qu.shape[-1]
+        r_dim = k_src.basis.shape[-1]
+        zcs, zss, qus = zc.stride(), zs.stride(), qu.stride()
+    else:
+        zc = zs = zz = qu = mo
+        z_bits, z_off, r_dim, rp = 8, 0, 1, 1
+        zcs, zss, qus = (0, 0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0)
     grid = (n_splits, len(heads), B)
     _block_partial_attn_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
         kc, ks, k_src.zero, kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         vc, vs, v_src.zero, vc.stride(0), vc.stride(1), vc.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
         hmap,
+        ka, kb, kcos, ksin,
+        zc, zs, zz, zcs[0], zcs[1], zcs[2], zss[0], zss[1], zss[2],
+        qu, qus[0], qus[1], qus[2],
         mk, msb[0], msb[1], msb[2], msb[3],
         mo, lo, ao,
         mo.stride(0), mo.stride(1), mo.stride(2), ao.stride(0), ao.stride(1), ao.stride(2), ao.stride(3),
-        T_seg, tok_base, split_len, slot_base, k_src.off, v_src.off,
+        T_seg, tok_base, split_len, slot_base, k_src.off, v_src.off, z_off,
         qk_scale,
         N_REP=n_rep, TQ=Tq, D=D,
         K_BITS=k_src.bits, K_CHANNEL=k_src.channel, K_GS=k_src.gs, K_G=k_src.g,
         V_BITS=v_src.bits, V_CHANNEL=v_src.channel, V_GS=v_src.gs, V_G=v_src.g,
+        K_ROPE=k_src.pre_rope, HALF=half, K_CORR=z is not None, Z_BITS=z_bits, R_DIM=r_dim, RP=rp,
         HAS_MASK=has_mask, DOT_F32=_dot_in_fp32(q),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=8 if block_n * block_d >= 8192 else 4,  # two dequantized [BLOCK_N, D] fp32 tiles live at once
     )
     return n_splits
+
+
+def _correction_query(q: torch.Tensor, k_src: _Source, Hkv: int) -> torch.Tensor:
+    """fp32 ``q U [B, h_K, M, RP]`` for a corrected key source: per local head, its KV head's
+    ``M = n_rep * Tq`` query rows times ``U [D, r]``, zero-padded to ``RP`` columns (a power of
+    two that holds whole pack units of the correction code)."""
+    B, Hq, Tq, D = q.shape
+    heads = k_src.heads
+    qg = q.float().reshape(B, Hkv, (Hq // Hkv) * Tq, D)
+    if heads == tuple(range(heads[0], heads[0] + len(heads))):
+        qg = qg[:, heads[0] : heads[0] + len(heads)]  # [B, h_K, M, D]
+    else:
+        qg = qg.index_select(1, _device_ints(heads, q.device))
+    qu = torch.matmul(qg, k_src.basis)  # [B, h_K, M, r]
+    r = qu.shape[-1]
+    cpu_, _, _ = _unit_params(k_src.corr.bits)
+    rp = max(triton.next_power_of_2(r), cpu_)
+    return torch.nn.functional.pad(qu, (0, rp - r)).contiguous() if rp != r else qu.contiguous()
 
 
 def _dot_in_fp32(q: torch.Tensor) -> bool:
@@ -730,16 +852,22 @@ def packed_decode_attention(
     that share heads, plus one for the residual, all writing split-softmax partials into one
     buffer; a log-sum-exp merge in torch finishes. ``split_len`` / ``block_n`` override the
     tokens per program / per inner step (tests use small values to exercise many splits).
-    Key blocks with a key correction code, and blocks stored rotated (``quantizer.rotation`` /
-    ``key_pre_rope``), go to the chunked PyTorch kernel instead.
-    """
-    if (any(getattr(b, "correction", None) is not None for kbs in key_blocks for b in kbs)
-            or any(getattr(b, "rotation", None) is not None for bs in (*key_blocks, *value_blocks) for b in bs)):
-        # this kernel does not read key correction codes or rotated blocks yet: the chunked PyTorch kernel does
-        from .attention_chunked import chunked_decode_attention
 
-        return chunked_decode_attention(q, key_blocks, value_blocks, key_residual, value_residual, attn_mask,
-                                        sm_scale)
+    Every codec the plans produce runs in this kernel (nothing falls back to another kernel);
+    its transforms stay off the per-token path where the algebra allows:
+
+    - values stored times a Hadamard ``H``: their launches write split slots of their own
+      (a ``[Hkv, S]`` mask), and the merge rotates the weighted sum of those slots once,
+      ``sum_j p_j (v̂'_j H) = (sum_j p_j v̂'_j) H``;
+    - keys times ``H`` without the pre-RoPE frame: the launch reads ``q H`` (one ``[M, D] x
+      [D, D]`` product per step), ``q·(ŷ H) = (q H)·ŷ``;
+    - the key correction: ``(q U)`` (``r`` numbers per query row, :func:`_correction_query`) and
+      the correction code tile ``ẑ`` dequantized in registers add ``(q U)·ẑ`` to the scores;
+    - keys in the pre-RoPE frame: RoPE depends on the position and does not commute with ``H``,
+      so each ``[BLOCK_N, D]`` key tile is turned back in registers (two tile products with
+      ``H`` and ``H P``, then cos / sin of the tile's cache indices; see the kernel). Only
+      packed codes, scales, correction codes and the small cos / sin table are read.
+    """
     if q.dim() != 4:
         raise ValueError(f"expected q [B, Hq, Tq, D], got {tuple(q.shape)}")
     B, Hq, Tq, D = q.shape
@@ -813,16 +941,49 @@ def packed_decode_attention(
     mo = torch.empty(B, Hkv, M, slots, dtype=torch.float32, device=q.device)
     lo = torch.empty_like(mo)
     ao = torch.empty(B, Hkv, M, slots, D, dtype=torch.float32, device=q.device)
+    q_h = None  # q H, for keys stored times H without the pre-RoPE frame (made once)
+    rot_slots = []  # (kv heads, first slot, end slot) of launches over values stored times H
+    hadamard = None
     for k_src, v_src, heads, tok_base, split, slot_base in plan:
-        block_partial_attention(q, k_src, v_src, heads, mask, tok_base, qk_scale, (mo, lo, ao), slot_base, split, bn)
-    return _combine(mo, lo, ao, B, Hq, Tq, D, q.dtype)
+        q_k = q
+        if k_src.query_hadamard:
+            if q_h is None:
+                q_h = torch.matmul(q.float(), k_src.rotation.hadamard).to(q.dtype)
+            q_k = q_h
+        qu = _correction_query(q, k_src, Hkv) if k_src.corr is not None else None
+        n = block_partial_attention(q_k, k_src, v_src, heads, mask, tok_base, qk_scale, (mo, lo, ao), slot_base,
+                                    split, bn, qu)
+        if v_src.rotation is not None:
+            if v_src.pre_rope:
+                raise ValueError("value blocks carry a Hadamard rotation only (no pre-RoPE frame)")
+            hadamard = v_src.rotation.hadamard
+            rot_slots.append((tuple(h for h, _, _ in heads), slot_base, slot_base + n))
+    v_rot = _slot_mask(tuple(rot_slots), Hkv, slots, q.device) if rot_slots else None
+    return _combine(mo, lo, ao, B, Hq, Tq, D, q.dtype, v_rot, hadamard)
 
 
-def _combine(mo, lo, ao, B, Hq, Tq, D, dtype) -> torch.Tensor:
-    """Log-sum-exp merge of split partials (log2 domain) → ``[B, Hq, Tq, D]``."""
+def _slot_mask(rot_slots: tuple, Hkv: int, slots: int, device) -> torch.Tensor:
+    """bool ``[Hkv, S]``, True at the slots of ``rot_slots`` (cached by layout)."""
+    def make():
+        m = torch.zeros(Hkv, slots, dtype=torch.bool)
+        for heads, a, b in rot_slots:
+            m[list(heads), a:b] = True
+        return m.to(device)
+
+    return _cached(("slots", rot_slots, Hkv, slots, str(device)), make)
+
+
+def _combine(mo, lo, ao, B, Hq, Tq, D, dtype, v_rot=None, hadamard=None) -> torch.Tensor:
+    """Log-sum-exp merge of split partials (log2 domain) → ``[B, Hq, Tq, D]``; the slots marked in
+    ``v_rot [Hkv, S]`` hold values times ``hadamard``: their weighted sum is rotated once."""
     mmax = mo.amax(dim=-1, keepdim=True)
     mmax = torch.where(torch.isfinite(mmax), mmax, torch.zeros_like(mmax))
     w = torch.exp2(mo - mmax)  # [B, Hkv, M, S]; -inf → 0
     l_tot = (w * lo).sum(-1)
-    out = (w.unsqueeze(-1) * ao).sum(-2) / l_tot.unsqueeze(-1)  # [B, Hkv, M, D]; fully masked row → NaN like softmax
+    if v_rot is None:
+        num = (w.unsqueeze(-1) * ao).sum(-2)  # [B, Hkv, M, D]
+    else:
+        w_rot = w * v_rot[None, :, None, :]
+        num = ((w - w_rot).unsqueeze(-1) * ao).sum(-2) + torch.matmul((w_rot.unsqueeze(-1) * ao).sum(-2), hadamard)
+    out = num / l_tot.unsqueeze(-1)  # fully masked row → NaN like softmax
     return out.reshape(B, Hq, Tq, D).to(dtype)

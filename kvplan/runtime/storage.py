@@ -13,6 +13,12 @@ Rotations (``quantizer.rotation`` / ``key_pre_rope``, :mod:`kvplan.kernels.rotat
 quantized block may carry ``rotation``; its codes then hold ``forward(x, position)`` and reads
 return ``inverse(x̂, position)``, ``position`` being the cache index of the block's first token.
 The key correction, when present, codes the error left after the inverse rotation.
+
+Growth: a committed block is extended in place by :meth:`PackedBlock.append`. Its tensors are
+views of the first ``length`` tokens of capacity buffers that grow by 1.5x when full, so a
+commit copies only its own tokens (amortised O(1) per token, not the whole history again).
+Bytes are counted as stored (the views): ``nbytes_parts`` is what the plan's bpv promises; the
+allocation behind them holds at most 50% more tokens than are stored.
 """
 
 from __future__ import annotations
@@ -54,23 +60,28 @@ class PackedBlock:
     basis: torch.Tensor | None = None  # fp32 [h, D, r], read-only (the plan's, not cache bytes)
     position: int = 0  # cache index of the first token (what a rotation is keyed on)
     rotation: Rotation | None = None  # codes hold rotation.forward(x) (plan constant, not cache bytes)
+    # capacity buffers behind codes / scale / zero once the block has been appended to (not
+    # copied by dataclasses.replace: views made by token_range / head_range never grow)
+    _buffers: dict = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def encode(cls, x: torch.Tensor, heads, bits, axis, group_size, start: int, basis: torch.Tensor | None = None,
-               correction_bits: int = 4, rotation: Rotation | None = None) -> "PackedBlock":
+               correction_bits: int = 4, rotation: Rotation | None = None,
+               range_flag: torch.Tensor | None = None) -> "PackedBlock":
         """Quantize ``x [B, h, T, D]`` (tokens starting at absolute position ``start``).
 
         With ``rotation`` the codes hold ``rotation.forward(x, start)`` (full-precision blocks
         are stored as they are). With ``basis`` (``[h, D, r]``, channel axis only) the block
         also stores the key correction: ``Uᵀ (x - x̂)`` quantized at ``correction_bits`` in the
-        same token groups, ``x̂`` being the read after the inverse rotation.
+        same token groups, ``x̂`` being the read after the inverse rotation. ``range_flag``: see
+        :func:`kvplan.kernels.quantize` (CUDA: the fp16-range check without a host sync).
         """
         T, D = x.shape[-2], x.shape[-1]
         offset = start % group_size if axis == "channel" else 0
         if bits == FULL_PRECISION_BITS:
             return cls(tuple(heads), bits, axis, group_size, 0, T, D, x.contiguous(), position=start)
         codes, scale, zero = _quantize(x if rotation is None else rotation.forward(x, start), bits, group_size, axis,
-                                       offset)
+                                       offset, range_flag)
         block = cls(tuple(heads), bits, axis, group_size, offset, T, D, codes, scale, zero, position=start,
                     rotation=rotation)
         if basis is not None:
@@ -78,7 +89,8 @@ class PackedBlock:
                 raise ValueError("the key correction needs channel-axis blocks")
             err = x.float() - block._decode_base(torch.float32)  # [B, h, T, D]
             z = torch.matmul(err, basis)  # [B, h, T, r]
-            block.correction = cls.encode(z, heads, correction_bits, "channel", group_size, start)
+            block.correction = cls.encode(z, heads, correction_bits, "channel", group_size, start,
+                                          range_flag=range_flag)
             block.basis = basis
         return block
 
@@ -102,6 +114,15 @@ class PackedBlock:
         if self.correction is None:
             return self._decode_base(dtype)
         return (self._decode_base(torch.float32) + self._correction_term()).to(dtype)
+
+    def stored_into(self, out: torch.Tensor) -> torch.Tensor:
+        """The stored codes dequantized as stored, into ``out [B, h, T, D]``: in the rotated frame
+        when ``rotation`` is set and without the key correction (what the decode-attention
+        kernels read; they apply the rest on the query / output side or per tile)."""
+        if self.bits == FULL_PRECISION_BITS:
+            return out.copy_(self.codes)
+        return _dequantize_into(out, self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
+                                self.head_dim, self.start_offset)
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
         """Write the dequantized tokens into ``out [B, h, T, D]`` (a view into a read buffer)."""
@@ -185,13 +206,30 @@ class PackedBlock:
         assert (self.correction is None) == (other.correction is None)
         assert (self.rotation is None) == (other.rotation is None)
         assert self.rotation is None or other.position == self.position + self.length, "tokens must follow on"
-        self.codes = torch.cat([self.codes, other.codes], dim=2)
+        self.codes = self._grow("codes", self.codes, other.codes)
         if self.scale is not None:
-            self.scale = torch.cat([self.scale, other.scale], dim=2)
-            self.zero = torch.cat([self.zero, other.zero], dim=2)
+            self.scale = self._grow("scale", self.scale, other.scale)
+            self.zero = self._grow("zero", self.zero, other.zero)
         if self.correction is not None:
             self.correction.append(other.correction)
         self.length += other.length
+
+    def _grow(self, name: str, cur: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``cur`` extended by ``new`` along dim 2 (tokens, or channel-axis groups), as a view of a
+        capacity buffer: only ``new`` is copied unless the buffer is full, then it grows by 1.5x.
+        A ``cur`` that is not the view of its buffer (first append, or tensors replaced by
+        :meth:`map_tensors`) starts a new buffer."""
+        if self._buffers is None:
+            self._buffers = {}
+        n, m = cur.shape[2], new.shape[2]
+        buf = self._buffers.get(name)
+        if (buf is None or buf.shape[2] < n + m or buf.data_ptr() != cur.data_ptr()
+                or buf.shape[:2] != cur.shape[:2] or buf[:, :, :n].stride() != cur.stride()):
+            buf = cur.new_empty((*cur.shape[:2], max(n + m, n + n // 2), *cur.shape[3:]))
+            buf[:, :, :n].copy_(cur)
+            self._buffers[name] = buf
+        buf[:, :, n : n + m].copy_(new)
+        return buf[:, :, : n + m]
 
     def layout(self) -> tuple:
         """What must match for :meth:`append`: heads, bits, and whether keys carry a correction."""

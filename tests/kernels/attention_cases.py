@@ -1,10 +1,17 @@
 """Shared packed-cache cases for the decode-attention kernels (Triton and chunked PyTorch),
-checked against ``attention_reference.reference_decode_attention``."""
+checked against ``attention_reference.reference_decode_attention``.
+
+Blocks are always encoded on the CPU by the PyTorch reference quantizer (``PackedBlock.encode``
+on CPU tensors), and the oracle reads those CPU blocks: a kernel under test only ever sees
+copies moved to its device (:func:`on_device`), so no Triton op sits on the oracle's side.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import torch
 
+from kvplan.kernels.rotation import Rotation, hadamard_matrix
 from kvplan.runtime.storage import PackedBlock
 
 # (atol, rtol): values reach ~10 (outlier channels), where one fp16 / bf16 ulp is 8e-3 / 6e-2.
@@ -20,24 +27,70 @@ def rand(shape, dtype, seed, scale=1.0, device="cpu"):
     return x.to(dtype).to(device)
 
 
-def make_cache(B, Hkv, D, dtype, segments, Tr, seed, device="cpu"):
-    """segments: list of (T, [(heads, bits, axis)] for K, [(heads, bits, axis)] for V); group 32.
+def _inv_freq(rotary_dim, theta=10000.0):
+    return 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
 
-    Returns ``(key_blocks, value_blocks, key_residual, value_residual, T_total)``.
+
+def _codec(codec: str, D: int):
+    """``codec``: ``"H"`` (Hadamard), ``"rope"`` (pre-RoPE keys, full rotary), ``"rope/2"`` (rotary
+    on half the channels), joined by ``+``; ``"corr"`` adds the key correction (rank 2).
+    Returns ``(key Rotation or None, value Rotation or None, correction rank)``."""
+    parts = set(codec.split("+")) if codec else set()
+    H = hadamard_matrix(D) if "H" in parts else None
+    inv = _inv_freq(D) if "rope" in parts else _inv_freq(D // 2) if "rope/2" in parts else None
+    k_rot = None if H is None and inv is None else Rotation(H, inv)
+    return k_rot, None if H is None else Rotation(H), 2 if "corr" in parts else 0
+
+
+def make_cache(B, Hkv, D, dtype, segments, Tr, seed, codec=""):
+    """segments: list of (T, [(heads, bits, axis)] for K, [(heads, bits, axis)] for V); group 32.
+    ``codec`` (see :func:`_codec`): the rotations / key correction of every quantized block
+    (the correction on channel-axis key blocks), as a plan sets them.
+
+    Returns CPU ``(key_blocks, value_blocks, key_residual, value_residual, T_total)``, encoded by
+    the reference quantizer.
     """
+    k_rot, v_rot, rank = _codec(codec, D)
+    basis = None
+    if rank:
+        g = torch.Generator().manual_seed(seed + 900)
+        basis = torch.linalg.qr(torch.randn(Hkv, D, D, generator=g))[0][..., :rank].contiguous()  # [H_kv, D, r]
     key_blocks, value_blocks = [], []
     start = 0
     for i, (T, kspec, vspec) in enumerate(segments):
-        k = rand((B, Hkv, T, D), dtype, seed=seed + 10 * i, device=device)
-        v = rand((B, Hkv, T, D), dtype, seed=seed + 10 * i + 1, scale=0.5, device=device)
-        key_blocks.append([PackedBlock.encode(k[:, list(h)].contiguous(), h, bits, ax, GROUP_SIZE, start)
+        k = rand((B, Hkv, T, D), dtype, seed=seed + 10 * i)
+        v = rand((B, Hkv, T, D), dtype, seed=seed + 10 * i + 1, scale=0.5)
+        key_blocks.append([PackedBlock.encode(k[:, list(h)].contiguous(), h, bits, ax, GROUP_SIZE, start,
+                                              basis[list(h)] if basis is not None and ax == "channel" else None,
+                                              rotation=k_rot)
                            for h, bits, ax in kspec])
-        value_blocks.append([PackedBlock.encode(v[:, list(h)].contiguous(), h, bits, ax, GROUP_SIZE, start)
+        value_blocks.append([PackedBlock.encode(v[:, list(h)].contiguous(), h, bits, ax, GROUP_SIZE, start,
+                                                rotation=v_rot)
                              for h, bits, ax in vspec])
         start += T
-    kr = rand((B, Hkv, Tr, D), dtype, seed=seed + 500, device=device) if Tr else None
-    vr = rand((B, Hkv, Tr, D), dtype, seed=seed + 501, device=device) if Tr else None
+    kr = rand((B, Hkv, Tr, D), dtype, seed=seed + 500) if Tr else None
+    vr = rand((B, Hkv, Tr, D), dtype, seed=seed + 501) if Tr else None
     return key_blocks, value_blocks, kr, vr, start + Tr
+
+
+def on_device(blocks_per_segment, device):
+    """Copies of CPU blocks on ``device`` (codes, scales, correction, basis and rotation moved)."""
+    device = torch.device(device)
+    rotations = {}
+
+    def move(blk):
+        if blk.codes.device == device:
+            return blk
+        rot = blk.rotation
+        if rot is not None and id(rot) not in rotations:
+            rotations[id(rot)] = Rotation(None if rot.hadamard is None else rot.hadamard.to(device),
+                                          None if rot.inv_freq is None else rot.inv_freq.to(device))
+        to = (lambda t: None if t is None else t.to(device))  # noqa: E731
+        return dataclasses.replace(blk, codes=to(blk.codes), scale=to(blk.scale), zero=to(blk.zero),
+                                   basis=to(blk.basis), rotation=None if rot is None else rotations[id(rot)],
+                                   correction=None if blk.correction is None else move(blk.correction))
+
+    return [[move(b) for b in blocks] for blocks in blocks_per_segment]
 
 
 # Mixed plans: per-head-group bits, K / V groupings that differ, a 16-bit block, scattered heads
@@ -61,11 +114,25 @@ PLANS = {
         3,
     ),
     "residual-only": (2, [], 9),
+    # the searched plans' codec (Hadamard K and V, pre-RoPE keys, key correction) on mixed bits,
+    # scattered heads, 16-bit slots and a second segment starting mid-group
+    "codec-searched": (
+        3,
+        [
+            (37, [((0, 2), 2, "channel"), ((1,), 3, "channel")], [((0, 1, 2), 2, "token")]),
+            (45, [((0,), 16, "channel"), ((1, 2), 4, "channel")], [((0,), 3, "token"), ((1, 2), 16, "token")]),
+        ],
+        5,
+    ),
     "one-seg-no-residual": (1, [(40, [((0,), 3, "channel")], [((0,), 2, "token")])], 0),
 }
 
+CODECS = {"codec-searched": "H+rope+corr", "codec-had": "H+corr", "codec-rope-half": "rope/2+corr"}
+PLANS["codec-had"] = PLANS["mixed-2seg"]
+PLANS["codec-rope-half"] = PLANS["int4-kivi-3seg"]
+
 ATTN_CASES = {
-    # id: (plan, dtype, n_rep, Tq, D, mask)
+    # id: (plan, dtype, n_rep, Tq, D, mask); the plan's codec is CODECS.get(plan, "")
     "mixed-fp32-gqa3-tq2-padmask": ("mixed-2seg", torch.float32, 3, 2, 64, "pad-bool"),
     "mixed-fp16-gqa7-tq1-padmask": ("mixed-2seg", torch.float16, 7, 1, 64, "pad-bool"),
     "mixed-bf16-gqa2-tq3-floatmask": ("mixed-2seg", torch.bfloat16, 2, 3, 64, "float-per-head"),
@@ -73,7 +140,22 @@ ATTN_CASES = {
     "kivi-fp32-D128-causal": ("int4-kivi-3seg", torch.float32, 1, 3, 128, "causal-float"),
     "residual-only-fp16": ("residual-only", torch.float16, 2, 1, 64, "pad-bool"),
     "one-seg-fp32-mha": ("one-seg-no-residual", torch.float32, 1, 1, 64, "pad-float"),
+    "searched-fp32-gqa3-tq1-padmask": ("codec-searched", torch.float32, 3, 1, 64, "pad-bool"),
+    "searched-fp16-gqa3-tq1-padmask": ("codec-searched", torch.float16, 3, 1, 64, "pad-bool"),
+    "searched-bf16-gqa2-tq2-floatmask": ("codec-searched", torch.bfloat16, 2, 2, 64, "float-per-head"),
+    "had-corr-fp16-gqa7-tq1-padfloat": ("codec-had", torch.float16, 7, 1, 64, "pad-float"),
+    "rope-half-fp32-D128-causal": ("codec-rope-half", torch.float32, 1, 3, 128, "causal-float"),
+    "rope-half-bf16-D128-nomask": ("codec-rope-half", torch.bfloat16, 4, 1, 128, None),
 }
+
+
+def case_cache(case, B, seed):
+    """``(q, key_blocks, value_blocks, key_residual, value_residual, mask)`` of an ATTN_CASES entry, on CPU."""
+    plan, dtype, n_rep, Tq, D, mask_kind = case
+    Hkv, segments, Tr = PLANS[plan]
+    kb, vb, kr, vr, T_total = make_cache(B, Hkv, D, dtype, segments, Tr, seed, CODECS.get(plan, ""))
+    q = rand((B, Hkv * n_rep, Tq, D), dtype, seed=99, scale=0.5)
+    return q, kb, vb, kr, vr, mask(mask_kind, B, Hkv * n_rep, Tq, T_total)
 
 
 def mask(kind, B, Hq, Tq, T_total):

@@ -8,7 +8,7 @@ import torch
 from kvplan.kernels import attention_chunked, decode_attention
 from kvplan.kernels.attention_chunked import chunked_decode_attention
 from kvplan.kernels.attention_reference import reference_decode_attention
-from tests.kernels.attention_cases import ATTN_CASES, ATTN_TOL, PLANS, make_cache, mask, rand
+from tests.kernels.attention_cases import ATTN_CASES, ATTN_TOL, PLANS, case_cache, make_cache, rand
 
 # 1 byte -> every chunk is one group (32 tokens): many chunks, chunk ends inside segments and
 # a first chunk that starts mid-group; the default -> one chunk per block at these sizes
@@ -19,18 +19,13 @@ CHUNK_BYTES = {"group-chunks": 1, "default": attention_chunked.CHUNK_BYTES}
 @pytest.mark.parametrize("case", list(ATTN_CASES.values()), ids=list(ATTN_CASES))
 def test_chunked_matches_reference(case, chunk_bytes, monkeypatch):
     monkeypatch.setattr(attention_chunked, "CHUNK_BYTES", chunk_bytes)
-    plan, dtype, n_rep, Tq, D, mask_kind = case
-    Hkv, segments, Tr = PLANS[plan]
-    B, Hq = 2, Hkv * n_rep
-    kb, vb, kr, vr, T_total = make_cache(B, Hkv, D, dtype, segments, Tr, seed=D + n_rep)
-    q = rand((B, Hq, Tq, D), dtype, seed=99, scale=0.5)
-    m = mask(mask_kind, B, Hq, Tq, T_total)
+    q, kb, vb, kr, vr, m = case_cache(case, B=2, seed=case[4] + case[2])
     for sm_scale in (None, 0.1):
         ref = reference_decode_attention(q, kb, vb, kr, vr, m, sm_scale)
         out = chunked_decode_attention(q, kb, vb, kr, vr, m, sm_scale)
-        assert out.dtype == dtype and out.shape == (B, Hq, Tq, D)
+        assert out.dtype == q.dtype and out.shape == q.shape
         assert torch.isfinite(out).all()
-        torch.testing.assert_close(out.float(), ref.float(), atol=ATTN_TOL[dtype][0], rtol=ATTN_TOL[dtype][1])
+        torch.testing.assert_close(out.float(), ref.float(), atol=ATTN_TOL[q.dtype][0], rtol=ATTN_TOL[q.dtype][1])
 
 
 def test_dispatcher_uses_chunked_on_cpu():

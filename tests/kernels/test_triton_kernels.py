@@ -11,6 +11,12 @@ Tolerances:
 * pack → unpack and dequantize: ``torch.equal``;
 * fused decode attention vs softmax attention over the dequantized cache (fp32 reference):
   fp32 atol 1e-4 / rtol 1e-4, fp16 atol 1e-2 / rtol 1e-2, bf16 atol 3e-2 / rtol 2e-2.
+
+Oracles are pure PyTorch only: quantize / dequantize against ``kernels.reference``; attention
+blocks are encoded on the CPU by the reference quantizer and the reference attention reads those
+CPU blocks (``attention_cases.make_cache`` / ``on_device``), the kernel reads their device copies.
+The shared attention cases include Hadamard, pre-RoPE (full and half rotary) and corrected blocks
+on mixed bits, 16-bit slots and padded batches, with fp32 / fp16 / bf16 queries.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from kvplan.kernels.attention_reference import reference_decode_attention  # noq
 from kvplan.kernels.qtypes import packed_row_bytes  # noqa: E402
 from kvplan.runtime.storage import PackedBlock  # noqa: E402
 from tests.kernels import attention_cases  # noqa: E402
-from tests.kernels.attention_cases import ATTN_CASES, ATTN_TOL, PLANS  # noqa: E402
+from tests.kernels.attention_cases import ATTN_CASES, ATTN_TOL, case_cache, on_device  # noqa: E402
 
 if INTERPRET:
     from triton.runtime.interpreter import InterpretedFunction
@@ -60,13 +66,8 @@ def _rand(shape, dtype, seed, scale=1.0):
     return attention_cases.rand(shape, dtype, seed, scale).to(DEVICE)
 
 
-def _make_cache(B, Hkv, D, dtype, segments, Tr, seed):
-    return attention_cases.make_cache(B, Hkv, D, dtype, segments, Tr, seed, DEVICE)
-
-
-def _mask(kind, B, Hq, Tq, T_total):
-    m = attention_cases.mask(kind, B, Hq, Tq, T_total)
-    return None if m is None else m.to(DEVICE)
+def _to(t):
+    return None if t is None else t.to(DEVICE)
 
 
 def _check_quantize(x, bits, group_size, axis, start_offset=0):
@@ -213,30 +214,29 @@ def test_dequantize_matches_reference(bits, group_size, axis, dtype):
 # ----------------------------------------------------------------------------- fused attention
 @pytest.mark.parametrize("case", list(ATTN_CASES.values()), ids=list(ATTN_CASES))
 def test_packed_decode_attention(case):
-    plan, dtype, n_rep, Tq, D, mask_kind = case
-    Hkv, segments, Tr = PLANS[plan]
-    B = 2
-    Hq = Hkv * n_rep
-    kb, vb, kr, vr, T_total = _make_cache(B, Hkv, D, dtype, segments, Tr, seed=D + n_rep)
-    q = _rand((B, Hq, Tq, D), dtype, seed=99, scale=0.5)
-    mask = _mask(mask_kind, B, Hq, Tq, T_total)
+    """The fused kernel on device copies of reference-encoded blocks against the reference
+    attention over the CPU blocks (no Triton op on the oracle's side)."""
+    q, kb, vb, kr, vr, mask = case_cache(case, B=2, seed=case[4] + case[2])
+    dtype, tol = q.dtype, ATTN_TOL[q.dtype]
+    dev = (_to(q), on_device(kb, DEVICE), on_device(vb, DEVICE), _to(kr), _to(vr), _to(mask))
     ref = reference_decode_attention(q, kb, vb, kr, vr, mask)
     # Small splits / steps so that one segment spans several programs and inner iterations.
-    out = tk.packed_decode_attention(q, kb, vb, kr, vr, mask, split_len=16, block_n=16)
-    assert out.dtype == dtype and out.shape == (B, Hq, Tq, D)
+    out = tk.packed_decode_attention(*dev, split_len=16, block_n=16)
+    assert out.dtype == dtype and out.shape == q.shape
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), ref.float(), atol=ATTN_TOL[dtype][0], rtol=ATTN_TOL[dtype][1])
+    torch.testing.assert_close(out.float().cpu(), ref.float(), atol=tol[0], rtol=tol[1])
     # Default split heuristic and explicit sm_scale.
-    out2 = tk.packed_decode_attention(q, kb, vb, kr, vr, mask, sm_scale=0.1)
+    out2 = tk.packed_decode_attention(*dev, sm_scale=0.1)
     ref2 = reference_decode_attention(q, kb, vb, kr, vr, mask, sm_scale=0.1)
-    torch.testing.assert_close(out2.float(), ref2.float(), atol=ATTN_TOL[dtype][0], rtol=ATTN_TOL[dtype][1])
+    torch.testing.assert_close(out2.float().cpu(), ref2.float(), atol=tol[0], rtol=tol[1])
 
 
 def test_packed_decode_attention_rejects_bad_heads():
-    kb, vb, kr, vr, _ = _make_cache(1, 2, 64, torch.float32, [(8, [((0,), 4, "token")], [((0,), 4, "token")])], 2, 0)
+    kb, vb, kr, vr, _ = attention_cases.make_cache(1, 2, 64, torch.float32,
+                                                   [(8, [((0,), 4, "token")], [((0,), 4, "token")])], 2, 0)
     q = _rand((1, 2, 1, 64), torch.float32, seed=1)
     with pytest.raises(ValueError):
-        tk.packed_decode_attention(q, kb, vb, kr, vr)  # segment covers head 0 only, residual has 2
+        tk.packed_decode_attention(q, on_device(kb, DEVICE), on_device(vb, DEVICE), _to(kr), _to(vr))
 
 
 def test_import_kvplan_does_not_import_triton_kernels():
@@ -264,16 +264,17 @@ def test_quantize_large_gpu(bits, axis):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("codec", ["", "H+rope+corr"], ids=["plain", "searched-codec"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_packed_decode_attention_large_gpu(dtype):
+def test_packed_decode_attention_large_gpu(dtype, codec):
     Hkv, D, B = 4, 128, 4
     segments = [
         (8192, [((0, 1), 4, "channel"), ((2, 3), 2, "channel")], [((0, 1, 2, 3), 4, "token")]),
         (4096, [((0, 1, 2, 3), 4, "channel")], [((0, 2), 2, "token"), ((1, 3), 8, "token")]),
     ]
-    kb, vb, kr, vr, T_total = _make_cache(B, Hkv, D, dtype, segments, 100, seed=5)
-    q = _rand((B, 28, 1, D), dtype, seed=6, scale=0.5)
-    mask = _mask("pad-bool", B, 28, 1, T_total)
+    kb, vb, kr, vr, T_total = attention_cases.make_cache(B, Hkv, D, dtype, segments, 100, seed=5, codec=codec)
+    q = attention_cases.rand((B, 28, 1, D), dtype, seed=6, scale=0.5)
+    mask = attention_cases.mask("pad-bool", B, 28, 1, T_total)
     ref = reference_decode_attention(q, kb, vb, kr, vr, mask)
-    out = tk.packed_decode_attention(q, kb, vb, kr, vr, mask)
-    torch.testing.assert_close(out.float(), ref.float(), atol=ATTN_TOL[dtype][0], rtol=ATTN_TOL[dtype][1])
+    out = tk.packed_decode_attention(_to(q), on_device(kb, DEVICE), on_device(vb, DEVICE), _to(kr), _to(vr), _to(mask))
+    torch.testing.assert_close(out.float().cpu(), ref.float(), atol=ATTN_TOL[dtype][0], rtol=ATTN_TOL[dtype][1])

@@ -48,3 +48,34 @@ def test_head_runs_split_scattered_heads():
     whole = block.decode(torch.float32)
     parts = torch.cat([b.decode(torch.float32) for _, _, b in block.head_runs()], dim=1)
     assert torch.equal(parts, whole)
+
+
+GROWTH = {
+    # id: (bits, axis, tokens per append)
+    "int2-channel-g32": (2, "channel", 32),
+    "int4-token-odd": (4, "token", 7),
+    "fp16-block": (16, "channel", 32),
+}
+
+
+@pytest.mark.parametrize("spec", list(GROWTH.values()), ids=list(GROWTH))
+def test_appends_grow_in_place_and_count_stored_bytes(spec):
+    """Many appends decode like one encode of all tokens; the buffers behind the block are
+    reallocated O(log n) times (capacity grows by 1.5x), not once per append; bytes count the
+    stored tokens exactly."""
+    bits, axis, n = spec
+    steps = 60
+    x = torch.randn(2, 3, n * (steps + 1), 64, generator=torch.Generator().manual_seed(n))
+    whole = PackedBlock.encode(x, (0, 1, 2), bits, axis, 32, 0)
+    block = PackedBlock.encode(x[:, :, :n], (0, 1, 2), bits, axis, 32, 0)
+    pointers = set()
+    for i in range(1, steps + 1):
+        block.append(PackedBlock.encode(x[:, :, i * n : (i + 1) * n], (0, 1, 2), bits, axis, 32, i * n))
+        pointers.add(block.codes.data_ptr())
+    assert block.length == whole.length
+    assert torch.equal(block.decode(torch.float32), whole.decode(torch.float32))
+    assert block.nbytes_parts() == whole.nbytes_parts()
+    assert len(pointers) <= 12  # 1.5x growth from n to 61 n tokens: about log_1.5(61) = 10 reallocations
+    block.map_tensors(lambda t: t[[1, 0]])  # replaced tensors: the next append starts a new buffer
+    block.append(PackedBlock.encode(x[:, :, :n], (0, 1, 2), bits, axis, 32, block.length))
+    assert torch.equal(block.decode(torch.float32)[:, :, : whole.length], whole.decode(torch.float32)[[1, 0]])
