@@ -13,7 +13,6 @@ dequantized.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from typing import Sequence
 
@@ -67,6 +66,7 @@ class KVPlanLayer(CacheLayerMixin):
         self.committed = 0
         self.key_basis: torch.Tensor | None = None  # [H_kv, D, r] fp32 when the plan corrects keys
         self.rotation: dict[str, Rotation | None] = {"k": None, "v": None}  # per kind, quantized blocks only
+        self._nonfinite: torch.Tensor | None = None  # CUDA: bool device flag, non-finite states since the last commit
 
     # ------------------------------------------------------------------ Cache layer API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -92,17 +92,16 @@ class KVPlanLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t_new = key_states.shape[-2]
-        # one reduction per kind: any NaN/Inf makes the sum non-finite; only then (or on an
-        # overflowing sum) run the element-wise check that locates it
-        finite_sum = math.isfinite(float(key_states.sum() + value_states.sum()))
-        for kind, x in (("k", key_states), ("v", value_states)):
-            if not finite_sum and not bool(torch.isfinite(x).all()):
-                bad = (~torch.isfinite(x)).nonzero()[0].tolist()
-                raise CacheError(
-                    f"layer {self.layer_idx}: non-finite {'key' if kind == 'k' else 'value'} states arriving in the "
-                    f"cache (first at [batch {bad[0]}, kv_head {bad[1]}, new token {bad[2]}, dim {bad[3]}]); "
-                    "refusing to store them"
-                )
+        # NaN / Inf check: one reduction of both kinds (any NaN/Inf makes the sum non-finite; only
+        # then, or on an overflowing sum, the element-wise check that locates it runs). On CPU it
+        # is read at once. On CUDA reading it would synchronise the host every layer and step, so
+        # the device-side result is or-ed into a flag that _commit reads once per commit, before
+        # any of these tokens is quantized (until then they are only in the residual)
+        nonfinite = ~torch.isfinite(key_states.sum() + value_states.sum())
+        if key_states.is_cuda:
+            self._nonfinite = nonfinite if self._nonfinite is None else self._nonfinite | nonfinite
+        elif bool(nonfinite):
+            self._raise_nonfinite(key_states, value_states, "new token")
         fused = self.owner.attention_kernel is not None and t_new <= MAX_FUSED_QUERY
         if fused:
             self._commit()  # a commit left pending by the previous step's attention call, if any
@@ -118,6 +117,18 @@ class KVPlanLayer(CacheLayerMixin):
         values = self._read("v")
         self._commit()
         return keys, values
+
+    def _raise_nonfinite(self, keys: torch.Tensor, values: torch.Tensor, where: str) -> None:
+        """Raise CacheError naming the first non-finite value of ``keys`` / ``values [B, H_kv, T, D]``
+        (``where`` names what T indexes); return if all are finite (the sum overflowed)."""
+        for kind, x in (("k", keys), ("v", values)):
+            if not bool(torch.isfinite(x).all()):
+                bad = (~torch.isfinite(x)).nonzero()[0].tolist()
+                raise CacheError(
+                    f"layer {self.layer_idx}: non-finite {'key' if kind == 'k' else 'value'} states arriving in the "
+                    f"cache (first at [batch {bad[0]}, kv_head {bad[1]}, {where} {bad[2]}, dim {bad[3]}]); "
+                    "refusing to store them"
+                )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -135,6 +146,7 @@ class KVPlanLayer(CacheLayerMixin):
         self.residual = {"k": None, "v": None}
         self.residual_labels = []
         self.committed = 0
+        self._nonfinite = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -201,6 +213,14 @@ class KVPlanLayer(CacheLayerMixin):
         return out
 
     def _commit(self) -> None:
+        """Quantize the tokens that are due (``plans.accounting.committed_length``) and append them.
+
+        Host synchronisations: none on CPU. On CUDA one per commit (every ``group_size`` tokens
+        or so, not every step): a single read of two device flags, the non-finite check of the
+        tokens that arrived since the last commit and the fp16-range check of the Triton
+        quantize calls of this commit; it comes before anything is appended, so a failed check
+        stores nothing. Appending copies only the new tokens (``PackedBlock.append``).
+        """
         if self.owner.commits_paused:
             return
         q = self.owner.plan.quantizer
@@ -209,8 +229,15 @@ class KVPlanLayer(CacheLayerMixin):
         n = target - self.committed
         if n <= 0:
             return
+        on_cuda = self.residual["k"].is_cuda
+        if self._nonfinite is not None:
+            if bool(self._nonfinite):  # host sync (CUDA, once per commit; see above)
+                self._raise_nonfinite(self.residual["k"], self.residual["v"], f"cache position {self.committed} +")
+            self._nonfinite = None
+        range_flag = torch.zeros(1, dtype=torch.int32, device=self.residual["k"].device) if on_cuda else None
         runs = stored_runs(self.residual_labels, self.committed, n, q.sink_length)
         all_heads = tuple(range(self.owner.geometry.num_kv_heads))
+        new = {kind: [] for kind in KINDS}  # kind -> [(label, start, length, blocks)]
         for kind in KINDS:
             chunk = self.residual[kind][:, :, :n]
             for label, start, length, sink in runs:
@@ -224,16 +251,23 @@ class KVPlanLayer(CacheLayerMixin):
                     bits, corrected = split_codes(code)
                     basis = self.key_basis[list(heads)] if corrected else None
                     blocks.append(PackedBlock.encode(xh, heads, bits, q.axis(kind), q.group_size, start, basis,
-                                                     q.key_correction_bits, self.rotation[kind]))
+                                                     q.key_correction_bits, self.rotation[kind], range_flag))
+                new[kind].append((label, start, length, blocks))
+        if range_flag is not None and bool(range_flag.item()):  # host sync (CUDA, once per commit; see above)
+            raise ValueError("KV values exceed the fp16 range of the stored scales/zero-points; cannot quantize "
+                             f"layer {self.layer_idx}, tokens {self.committed} .. {target - 1}")
+        for kind in KINDS:
+            for label, start, length, blocks in new[kind]:
                 segs = self.segments[kind]
                 if (segs and segs[-1].modality == label and segs[-1].start + segs[-1].length == start
                         and [b.layout() for b in segs[-1].blocks] == [b.layout() for b in blocks]):
-                    for old, new in zip(segs[-1].blocks, blocks):
-                        old.append(new)
+                    for old, blk in zip(segs[-1].blocks, blocks):
+                        old.append(blk)
                     segs[-1].length += length
                 else:
                     segs.append(Segment(label, start, length, blocks))
             # keep only the uncommitted tail; clone so the committed full-precision copy is freed
+            # (the residual holds at most residual_length + group_size tokens: O(1) per step)
             self.residual[kind] = self.residual[kind][:, :, n:].clone()
         del self.residual_labels[:n]
         self.committed = target
@@ -331,7 +365,8 @@ class KVPlanCache(Cache):
         return parts
 
     def nbytes(self) -> int:
-        """Total bytes of K/V storage held by the cache."""
+        """Total bytes of K/V storage held by the cache (stored tokens; the growth buffers behind
+        committed blocks may hold up to 50% more, see :mod:`kvplan.runtime.storage`)."""
         return self.nbytes_breakdown()["total"]
 
     def num_values(self) -> int:

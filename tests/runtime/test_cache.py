@@ -86,6 +86,18 @@ def test_nan_and_inf_raise():
         cache.layers[1].update(k, torch.zeros_like(v))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the deferred check is the CUDA path (no host sync per step)")
+def test_cuda_nonfinite_states_raise_before_their_commit():
+    cache = KVPlanCache(baseline_plan("int4", GEOM, residual_length=0))  # group 32
+    layer = cache.layers[0]
+    k, v = _states(4, 0)
+    v[0, 1, 2, 5] = float("nan")
+    layer.update(k.cuda(), v.cuda())  # read back at the next commit, not now
+    with pytest.raises(CacheError, match="non-finite value states .*kv_head 1, cache position 0 \\+ 2, dim 5"):
+        layer.update(*[t.cuda() for t in _states(40, 1)])  # 44 tokens: 32 are due, checked first
+    assert layer.committed == 0 and not layer.segments["k"]
+
+
 def test_crop_only_within_residual():
     cache = KVPlanCache(baseline_plan("int4", GEOM, residual_length=16))
     layer = cache.layers[0]
