@@ -66,6 +66,20 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], units * qt.codes_per_unit)[..., :n].to(torch.uint8)
 
 
+_BYTE_CODES: dict = {}
+
+
+def _byte_codes(bits: int, device) -> torch.Tensor:
+    """fp32 ``[256, codes_per_byte]``: the codes packed in each byte value (1-byte pack units)."""
+    key = (bits, str(device))
+    if key not in _BYTE_CODES:
+        qt = qtype(bits)
+        b = torch.arange(256, dtype=torch.int32)
+        table = torch.stack([(b >> (j * bits)) & qt.qmax for j in range(qt.codes_per_unit)], dim=-1)
+        _BYTE_CODES[key] = table.float().to(device)
+    return _BYTE_CODES[key]
+
+
 # ----------------------------------------------------------------------------- scales
 def _scale_zero(mn: torch.Tensor, mx: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 scale and zero-point from fp32 group min / max."""
@@ -171,9 +185,15 @@ def dequantize_into(
         dequantize_into(tmp, packed, scale, zero, bits, group_size, axis, head_dim, start_offset)
         return out.copy_(tmp)
     B, h, T, D = out.shape
-    # uint8 codes (interleaved in uint8, cheap), then one contiguous uint8 -> float conversion:
-    # ~17% faster at 2 bits than converting each code position into a stride-4 column of out
-    out.copy_(unpack_codes(packed, bits, D))
+    if bits == 2 and D % 4 == 0 and out.is_contiguous():
+        # 2 bits: one table lookup per byte writes its four codes as floats straight into out
+        # (1.3-1.5x faster than the shift passes below on one CPU thread; at 4 bits it is slower)
+        idx = packed.to(torch.int32).reshape(-1)
+        torch.index_select(_byte_codes(bits, out.device), 0, idx, out=out.view(-1, 4))
+    else:
+        # uint8 codes (interleaved in uint8, cheap), then one contiguous uint8 -> float conversion:
+        # ~17% faster at 2 bits than converting each code position into a stride-4 column of out
+        out.copy_(unpack_codes(packed, bits, D))
     if axis == "token":
         g = channel_group_size(group_size, D)
         o = out.unflatten(-1, (D // g, g))

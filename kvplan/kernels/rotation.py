@@ -24,7 +24,7 @@ import math
 
 import torch
 
-__all__ = ["Rotation", "hadamard_fits", "hadamard_matrix", "rope_rotate", "rotate_pairs_"]
+__all__ = ["Rotation", "hadamard_fits", "hadamard_matrix", "rope_rotate"]
 
 
 def hadamard_fits(head_dim: int) -> bool:
@@ -86,7 +86,29 @@ class Rotation:
         # cos / sin of cache indices 0 .. n-1 ([n, d/2] fp32), grown by doubling: every read of
         # the history needs them, so they are computed once, not per block and step
         self._cos = self._sin = None
-        self._tile = None  # tile_matrices(), built once
+        self._cis = None  # cos + i sin of the same table (complex64), rebuilt when it grows
+        self._tile = self._pairs = None  # tile_matrices(), pair_order(): built once
+
+    def pair_order(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(perm, A)`` that put each rotary pair ``(i, i + d/2)`` next to each other:
+        ``perm = [0, d/2, 1, d/2 + 1, ..., d/2 - 1, d - 1, d, ..., D - 1]`` (int64) and ``A = H[:, perm]``
+        (``None`` without a Hadamard). With them a pre-RoPE key chunk is read as ``x' = ŷ A`` (or
+        ``ŷ[..., perm]``), turned by one complex product ``x'_pairs · cis`` (:meth:`cis`), and dotted
+        with ``q[..., perm]``."""
+        if self._pairs is None or self._pairs[0].shape[0] != head_dim:
+            dev = self.inv_freq.device
+            h = self.inv_freq.shape[0]
+            perm = torch.cat([torch.stack([torch.arange(h), torch.arange(h, 2 * h)], 1).flatten(),
+                              torch.arange(2 * h, head_dim)]).to(dev)
+            self._pairs = (perm, None if self.hadamard is None else self.hadamard[:, perm].contiguous())
+        return self._pairs
+
+    def cis(self, position: int, length: int) -> torch.Tensor:
+        """complex64 ``cos + i sin [length, d/2]`` of cache indices ``position ..`` (a view of a table)."""
+        self.angles(position, length)
+        if self._cis is None or self._cis.shape[0] != self._cos.shape[0]:
+            self._cis = torch.complex(self._cos, self._sin)
+        return self._cis[position : position + length]
 
     def tile_matrices(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``A, A·P [D, D]`` with which a kernel reads a key tile ``ŷ`` of the pre-RoPE frame:
