@@ -40,15 +40,12 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_search(args) -> int:
-    from .evaluation.tasks import check_task
     from .search import DEFAULT_BITS, BpvModel, SearchSpace, parse_budget, search
     from .search.scorers import task_scorers
 
     budgets = args.budget if len(args.budget) > 1 else args.budget[0]
     parsed = [parse_budget(b) for b in args.budget]  # an unparsable budget fails before the model loads
     _check_output_path(args.out, "--out")
-    check_task(args.task, {"calibration": args.samples, "validation": args.validation_samples,
-                           "test": args.test_samples}, args.seed)
 
     def check_budgets(geometry, reference, modalities):
         """Reject an unreachable budget before any full-precision prefill."""
@@ -193,11 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "question, choices, answer), split by record into calibration / validation / test")
     s.add_argument("--context", type=_positive, default=None, metavar="N",
                    help="context length the budget is stated at (default: the calibration history length)")
-    s.add_argument("--samples", type=_positive, default=12, help="calibration samples (the search sees only these)")
-    s.add_argument("--validation-samples", type=_non_negative, default=16,
-                   help="validation samples: choose the final plan among the best calibration trials (0 = off)")
-    s.add_argument("--test-samples", "--heldout-samples", dest="test_samples", type=_non_negative, default=16,
-                   help="test samples for the reported measurement (0 = none)")
+    s.add_argument("--samples", type=_positive, default=None,
+                   help="calibration samples, the only ones the search sees (default: 12 of the built-in task, "
+                        "every calibration record of a JSONL task)")
+    s.add_argument("--validation-samples", type=_non_negative, default=None,
+                   help="validation samples: the final plan is the best of the best calibration trials on them "
+                        "(default: 16 / every validation record; 0 = off)")
+    s.add_argument("--test-samples", "--heldout-samples", dest="test_samples", type=_non_negative, default=None,
+                   help="test samples for the reported measurement, never used to choose (default: 16 / every "
+                        "test record; 0 = none)")
     s.add_argument("--history-tokens", type=_positive, default=512,
                    help="history length of each sample of the built-in task")
     s.add_argument("--eval-tokens", type=_positive, default=32,

@@ -335,43 +335,48 @@ def encode_user_record(rec: dict[str, Any], model, processor) -> Sample:
                   answer=ans_idx, prefill_inputs=extra, meta={"id": rec.get("id"), "task": "jsonl"})
 
 
+def _records_of_split(path, records: Sequence[dict[str, Any]], split: str | None, seed: int,
+                      n: int | None) -> list[dict[str, Any]]:
+    """The first ``n`` (``None``: all) records of ``split`` (``None`` / ``"all"``: the whole task);
+    :class:`TaskError` if the split is empty or holds fewer than ``n``."""
+    whole = split is None or split == ALL_RECORDS
+    recs = list(records) if whole else split_records(records, split, seed)
+    where = "task" if whole else f"{canonical_split(split)} split"
+    if not recs:
+        raise TaskError(f"{os.fspath(path)}: the {where} is empty: the task has only {len(records)} records (the "
+                        "three splits need at least 3)")
+    if n is not None and n > len(recs):
+        raise TaskError(f"{os.fspath(path)}: {n} samples asked but the {where} has {len(recs)} of the task's "
+                        f"{len(records)} records (calibration gets half, validation and test a quarter each)")
+    return recs if n is None else recs[:n]
+
+
 def user_task_samples(path: str | os.PathLike, model, processor, n: int | None = None, split: str | None = None,
                       seed: int = 0) -> list[Sample]:
     """Samples of a JSONL task: all records (``split=None``) or those of one split, the first ``n``."""
-    recs = all_recs = read_jsonl(path)
-    if split is not None:
-        recs = split_records(all_recs, split, seed)
-        if not recs:
-            raise TaskError(f"{os.fspath(path)}: the {canonical_split(split)} split is empty: the task has only "
-                            f"{len(all_recs)} records (the three splits need at least 3)")
-    if n is not None:
-        if n > len(recs):
-            raise TaskError(f"{os.fspath(path)}: {n} samples asked but the {split or 'whole'} "
-                            f"{'split' if split else 'task'} has {len(recs)} of the task's {len(all_recs)} records")
-        recs = recs[:n]
+    recs = _records_of_split(path, read_jsonl(path), split, seed, n)
     return [encode_user_record(r, model, processor) for r in recs]
 
 
-def check_task(task: str, samples: Mapping[str, int] | None = None, seed: int = 0) -> None:
+def check_task(task: str, samples: Mapping[str, int | None] | None = None, seed: int = 0) -> None:
     """Fail fast (before a model loads) on a task file that cannot be read or whose splits hold
-    fewer records than ``samples`` (split -> number of samples asked; 0 = split unused)."""
+    fewer records than ``samples`` (split -> number of samples asked; ``None``: all; 0: unused)."""
     if task == "default":
         return
     recs = read_jsonl(task)
     for split, n in (samples or {}).items():
-        have = len(recs) if split == ALL_RECORDS else len(split_records(recs, split, seed))
-        if n and n > have:
-            raise TaskError(f"{task}: {n} {canonical_split(split)} samples asked but that split has {have} of the "
-                            f"task's {len(recs)} records (calibration gets half, validation and test a quarter each)")
+        if n != 0:
+            _records_of_split(task, recs, split, seed, n)
 
 
-def task_samples(task: str, model, processor, split: str = "test", n: int = 16, seed: int = 0,
+def task_samples(task: str, model, processor, split: str = "test", n: int | None = 16, seed: int = 0,
                  **kwargs) -> list[Sample]:
     """Samples of ``task``: ``"default"`` or a path to a JSONL file (``kwargs``: options of the
-    built-in task, e.g. ``history_tokens``). ``split="all"``: every record of a JSONL task."""
+    built-in task, e.g. ``history_tokens``). ``split="all"``: every record of a JSONL task;
+    ``n=None``: every record of the split (JSONL tasks only)."""
     if task == "default":
-        if split == ALL_RECORDS:
-            raise TaskError("split 'all' is for JSONL tasks; the built-in task has calibration, validation and test")
+        if split == ALL_RECORDS or n is None:
+            raise TaskError("split 'all' and n=None are for JSONL tasks; the built-in task needs a split and a count")
         return default_task_samples(_tokenizer_of(processor), split=split, n=n, seed=seed, **kwargs)
     return user_task_samples(task, model, processor, n=n, split=None if split == ALL_RECORDS else split, seed=seed)
 

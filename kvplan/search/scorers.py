@@ -104,7 +104,7 @@ def reference_of(samples: Sequence, context_len: int | None = None, full_precisi
         mix.append((name, f))
         acc += f
     mix.append((names[-1], 1.0 - acc))
-    mods = tuple(names) if "text" in names else ("text",) + tuple(names)
+    mods = ("text",) + tuple(n for n in names if n != "text")  # text first (generated tokens are text)
     return Reference(context_len=T, modality_mix=tuple(mix), full_precision_bits=full_precision_bits), mods
 
 
@@ -126,14 +126,19 @@ def storage_bits(model) -> int:
     return 32 if dtype == torch.float32 else 16
 
 
-def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, n_calibration: int = 12,
-                 n_validation: int = 16, n_test: int = 16, history_tokens: int = 512, eval_tokens: int = 32,
-                 context_len: int | None = None, attention: str = "auto", progress: bool = True,
-                 before_prefill=None) -> TaskScorers:
+DEFAULT_SAMPLES = {"calibration": 12, "validation": 16, "test": 16}  # of the built-in task
+
+
+def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, n_calibration: int | None = None,
+                 n_validation: int | None = None, n_test: int | None = None, history_tokens: int = 512,
+                 eval_tokens: int = 32, context_len: int | None = None, attention: str = "auto",
+                 progress: bool = True, before_prefill=None) -> TaskScorers:
     """Scorers on ``task`` (``"default"``: the built-in documentation task; or a JSONL file).
 
     ``model``: a name/path for :func:`kvplan.load_model` or a loaded ``(model, processor)``
-    pair. ``n_validation`` / ``n_test`` of 0 skip that split. ``context_len``: where the
+    pair. ``n_calibration`` / ``n_validation`` / ``n_test``: samples per split (``None``: 12 /
+    16 / 16 on the built-in task, every record of the split on a JSONL task; 0 skips the
+    validation or test split). ``context_len``: where the
     budget is stated (default: the calibration history length). ``before_prefill(geometry,
     reference, modalities)`` runs once the task's layout is known and before the (slow)
     full-precision prefills, e.g. to reject an infeasible budget.
@@ -142,18 +147,20 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
     from ..evaluation.tasks import check_task, pad_token_id, task_samples
     from ..models import load_model
 
-    check_task(task, {"calibration": n_calibration, "validation": n_validation, "test": n_test}, seed)
+    asked = {"calibration": n_calibration, "validation": n_validation, "test": n_test}
+    if task == "default":
+        asked = {k: DEFAULT_SAMPLES[k] if n is None else n for k, n in asked.items()}
+    check_task(task, asked, seed)
     model_name = model if isinstance(model, str) else None
     if isinstance(model, str):
         model, proc = load_model(model)
     else:
         model, proc = model
     kw = {"history_tokens": history_tokens, "eval_tokens": eval_tokens} if task == "default" else {}
-    cal = task_samples(task, model, proc, split="calibration", n=n_calibration, seed=seed, **kw)
+    cal, val, test = (task_samples(task, model, proc, split=split, n=n, seed=seed, **kw) if n != 0 else []
+                      for split, n in asked.items())
     # the calibration scorer scores only the continuation: cheaper, and what the search minimizes
     cal = [replace(s, question_ids=None, options=None, answer=None) for s in cal]
-    val = task_samples(task, model, proc, split="validation", n=n_validation, seed=seed, **kw) if n_validation else []
-    test = task_samples(task, model, proc, split="test", n=n_test, seed=seed, **kw) if n_test else []
     reference, mods = reference_of(cal, context_len, storage_bits(model))
     if before_prefill is not None:
         before_prefill(Geometry.of(model), reference, mods)

@@ -1,0 +1,164 @@
+"""kvplan search on the user's own data: a text JSONL task (CLI) and a tiny-VLM JSONL task with
+real images (Python API), each exported plan deployed through kvplan.load at its stated bpv."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+
+def _kvplan(*args, timeout=900):
+    exe = os.path.join(os.path.dirname(sys.executable), "kvplan")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _text_task(path, n=9):
+    from kvplan.evaluation.tasks import doc_sources
+
+    recs = []
+    for name, text in doc_sources()[:n]:
+        recs.append({"id": name, "history": text[:900], "question": "Which Python topic is this section about?",
+                     "answer": name})
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def test_cli_search_on_a_text_jsonl_task_deploys_at_its_bpv(tmp_path):
+    import kvplan
+    from kvplan.evaluation import get_model, read_jsonl, split_records
+
+    task = _text_task(tmp_path / "docs.jsonl")
+    out = tmp_path / "plan.yaml"
+    # the ~200-token records would make a 3 bpv budget unreachable (their fp32 tail of a partial group);
+    # the budget is stated at the deployment context instead
+    r = _kvplan("--threads", "1", "search", "--task", str(task), "--budget", "3bpv", "--context", "2048",
+                "--samples", "2", "--trials", "4", "--head-profile", "0", "--quiet", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = kvplan.Plan.from_yaml(out)
+    assert plan.modalities == ("text",) and plan.bpv().total <= 3 and plan.reference.context_len == 2048
+    assert plan.metrics["test"]["n_samples"] == 2 and plan.metrics["validation"]["n_samples"] == 2
+    model, tok = get_model()
+    # a test record, as a user would run it: kvplan.load, then generate on its history
+    rec = split_records(read_jsonl(task), "test")[0]
+    inputs = tok(rec["history"], return_tensors="pt")
+    kvplan.load(model, out)
+    try:
+        gen = model.generate(**inputs, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    finally:
+        kvplan.unload(model)
+    T = gen.cache.get_seq_length()
+    assert gen.cache.bpv() == plan.bpv(context_len=T).total  # bytes held == the plan's accounting at T
+
+
+def _main_error(capsys, *argv):
+    """``kvplan <argv>`` in-process: (exit status, stderr lines)."""
+    from kvplan.cli import main
+
+    code = main(list(argv))
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("bad,fragment", [
+    ('{"history": "x"}\n', "missing field 'question'"),
+    ('{"history": "x", "question": "q", "answer": "z", "choices": ["a", "b"]}\n', "answer is not one of the choices"),
+    ('{"history": 3, "question": "q"}\n', "field 'history' must be a non-empty string"),
+    ("not json\n", "not valid JSON"),
+    (None, "task file not found"),
+])
+def test_bad_task_file_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, bad, fragment):
+    import kvplan.models
+
+    path = tmp_path / "t.jsonl"
+    if bad is not None:
+        path.write_text(bad)
+    monkeypatch.setattr(kvplan.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    for argv in (("search", "--task", str(path), "--budget", "3bpv", "--quiet"),
+                 ("eval", "int4", "--task", str(path), "--quiet")):
+        code, lines = _main_error(capsys, *argv)
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("kvplan: error: ") and fragment in lines[0]
+
+
+def test_more_samples_than_the_split_holds_is_one_line(tmp_path, capsys):
+    task = _text_task(tmp_path / "docs.jsonl")
+    code, lines = _main_error(capsys, "search", "--task", str(task), "--samples", "50", "--quiet")
+    assert code == 2 and lines == [f"kvplan: error: {task}: 50 samples asked but the calibration split has 5 of the "
+                                   "task's 9 records (calibration gets half, validation and test a quarter each)"]
+    code, lines = _main_error(capsys, "eval", "int4", "--task", str(task), "--split", "test", "--samples", "3")
+    assert code == 2 and "3 samples asked but the test split has 2" in lines[0]
+
+
+def test_bad_task_file_from_the_console_script(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"history": "x", "question": "q"}\n[1, 2]\n')
+    r = _kvplan("eval", "int4", "--task", str(path), timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [f"kvplan: error: {path}:2: a task record must be a JSON object "
+                                             "(got 'list')"]
+
+
+@pytest.fixture(scope="module")
+def vlm_task(tmp_path_factory):
+    from PIL import Image
+
+    skimage = pytest.importorskip("skimage")
+    d = tmp_path_factory.mktemp("vlm")
+    names = ["astronaut", "coffee", "chelsea", "rocket", "camera", "coins"]
+    recs = []
+    for i, name in enumerate(names):
+        img = getattr(skimage.data, name)()
+        Image.fromarray(img).convert("RGB").resize((112, 112)).save(d / f"{name}.png")
+        others = [f"{n}.png" for n in names if n != name][:3]
+        recs.append({"id": name, "history": f"Photo number {i}, from the scikit-image samples, and three others.",
+                     "images": [f"{name}.png"] + others, "question": "What is shown first?", "answer": name})
+    (d / "task.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return d / "task.jsonl"
+
+
+def test_search_on_a_tiny_vlm_task_stores_each_modality_at_its_bits(vlm_task, tmp_path):
+    import kvplan
+    from kvplan.evaluation import read_jsonl, split_records
+    from kvplan.evaluation.tasks import encode_user_record
+    from kvplan.search import search
+    from tests.evaluation.test_vlm_tasks import _tiny_llava_ov
+
+    from kvplan.evaluation import get_model
+
+    model, proc = _tiny_llava_ov(get_model()[1])
+    out = tmp_path / "vlm.yaml"
+    # the budget is stated where the user deploys (4096 tokens at the data's modality mix), not at the
+    # 50-token records, whose bytes are mostly the not-yet-quantized tail
+    r = search((model, proc), budget="4bpv", task=str(vlm_task), context_len=4096, n_trials=4, profile=False,
+               residual_lengths=(0, 32), out=out, progress=False)
+    plan = kvplan.Plan.from_yaml(out)
+    assert plan.modalities == ("text", "visual") and plan.reference.context_len == 4096
+    assert plan.bpv().total <= 4 + 1e-9
+    assert plan.quantizer.key_pre_rope  # LLaVA-OV's decoder has 1-D RoPE; Qwen2.5-VL's M-RoPE turns it off
+    mix = dict(plan.reference.modality_mix)
+    assert mix["visual"] > 0.5 and set(mix) == {"text", "visual"}
+    assert plan.metrics["test"]["kl"] > 0 and r.plan.metrics["calibration"]["kl"] > 0
+    # deploy: generate with the images of a test record; every committed token at its modality's bits
+    rec = split_records(read_jsonl(vlm_task), "test")[0]
+    sample = encode_user_record(rec, model, proc)
+    ids = torch.tensor([sample.history_ids])
+    kvplan.load(model, out)
+    try:
+        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **sample.prefill_inputs,
+                             max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    finally:
+        kvplan.unload(model)
+    cache = gen.cache
+    table = plan.table()  # [L, H, 2, M]
+    labels = sample.history_labels
+    sink = plan.quantizer.sink_length
+    for layer in range(plan.geometry.num_layers):
+        for k, kind in enumerate(("k", "v")):
+            for h, bits in enumerate(cache.token_bits(layer, kind)):
+                for t, b in enumerate(bits):
+                    want = 16 if t < sink else table[layer, h, k, plan.modalities.index(labels[t])]
+                    assert b == want, (layer, kind, h, t)
+    assert len(cache.token_bits(0, "k")[0]) >= 128  # most of the history was committed
