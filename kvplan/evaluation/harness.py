@@ -203,8 +203,11 @@ def check_labels(model, sample: Sample) -> None:
 
 
 @torch.no_grad()
-def prepare_sample(model, sample: Sample, pad_id: int = 0) -> PreparedSample:
-    """Prefill ``sample``'s history once at full precision and score the FP reference."""
+def prepare_sample(model, sample: Sample, pad_id: int = 0, attention: str = "auto") -> PreparedSample:
+    """Prefill ``sample``'s history once at full precision and score the FP reference.
+
+    The reference's evaluated tokens attend through ``attention`` (the route plans are then
+    scored on, see :func:`evaluate`), so an all-16-bit plan scores KL exactly 0."""
     from transformers import DynamicCache
 
     dev = _model_device(model)
@@ -233,7 +236,8 @@ def prepare_sample(model, sample: Sample, pad_id: int = 0) -> PreparedSample:
     if deltas is not None:  # mrope: text tokens after the history share one position on all 3 axes
         pos = (pos + deltas.reshape(-1)[0].to("cpu").long())[None].expand(3, R, L)
     prepared = PreparedSample(sample, kv, rows, lengths, pos.contiguous(), {})
-    sc = _score_rows(model, _fp_cache(model, prepared), rows, prepared.position_ids, sample)
+    with attention_route(model, attention):
+        sc = _score_rows(model, _fp_cache(model, prepared), rows, prepared.position_ids, sample)
     fp = {"scored": sc, "nll": _nll(sc["eval"], sample.eval_ids)}
     if sample.options:
         fp["choice"] = _choice(sc["option_ll"], sample.options)
@@ -251,11 +255,12 @@ def _fp_cache(model, prepared: PreparedSample):
     return cache
 
 
-def prepare_samples(model, samples: Sequence[Sample], pad_id: int = 0, progress: bool = True) -> list[PreparedSample]:
+def prepare_samples(model, samples: Sequence[Sample], pad_id: int = 0, progress: bool = True,
+                    attention: str = "auto") -> list[PreparedSample]:
     from tqdm.auto import tqdm
 
-    return [prepare_sample(model, s, pad_id) for s in tqdm(samples, desc="FP prefill", disable=not progress,
-                                                             leave=False)]
+    return [prepare_sample(model, s, pad_id, attention) for s in tqdm(samples, desc="FP prefill",
+                                                                        disable=not progress, leave=False)]
 
 
 # ----------------------------------------------------------------------------- caches

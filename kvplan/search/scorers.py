@@ -170,8 +170,8 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
     def scorer(samples, name):
         if not samples:
             return None
-        return HarnessScorer(model, prepare_samples(model, samples, pad, progress=progress), reference, mods, name,
-                             "sha256:" + h, model_name, attention)
+        return HarnessScorer(model, prepare_samples(model, samples, pad, progress=progress, attention=attention),
+                             reference, mods, name, "sha256:" + h, model_name, attention)
 
     return TaskScorers(scorer(cal, "calibration"), scorer(val, "validation"), scorer(test, "test"))
 

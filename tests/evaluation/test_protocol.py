@@ -8,7 +8,8 @@ from dataclasses import replace
 
 from kvplan import PlanError
 from kvplan.evaluation import (ProtocolError, bootstrap_ci, bootstrap_ratio, build_plan_cache, cache_stats,
-                               condition_plan, doc_split_topics, evaluate, prepare_sample, score_cache)
+                               condition_plan, doc_split_topics, evaluate, prepare_sample, prepare_samples,
+                               score_cache)
 from kvplan.evaluation.tasks import TaskError, doc_sources, split_of
 from kvplan.models import Geometry
 from kvplan.plans import committed_length, uniform_plan
@@ -68,10 +69,15 @@ def test_labels_the_runtime_cannot_reproduce_are_refused(smol, doc_samples):
 @pytest.mark.slow
 def test_fp16_plan_is_exactly_fp(smol, prepared):
     plan = condition_plan(Geometry.of(smol[0]), MODS, 16, None, None)  # residual 0: history goes through segments
-    r = evaluate(smol[0], plan, prepared, progress=False)
+    # the dequantize route runs the model's own attention on exact copies: bit-identical to FP
+    fp_prepared = prepare_samples(smol[0], [p.sample for p in prepared], progress=False, attention="dequantize")
+    r = evaluate(smol[0], plan, fp_prepared, progress=False, attention="dequantize")
     assert r["kl"]["mean"] == 0.0 and r["kl_max"]["mean"] == 0.0
     assert r["top1"]["mean"] == 1.0 and r["delta_nll"]["mean"] == 0.0
     assert r["bpv"] == 16.0 and r["quantized_tokens"] == {}
+    # the deployed route (16 evaluated tokens: the chunked kernel) differs only by its float rounding
+    r = evaluate(smol[0], plan, prepared, progress=False)
+    assert 0.0 <= r["kl"]["mean"] < 1e-6 and r["top1"]["mean"] == 1.0
 
 
 @pytest.mark.slow

@@ -131,7 +131,7 @@ def test_user_jsonl_task_on_tiny_vlm(tmp_path, tok, build):
     prepared = prepare_samples(model, samples, pad_id=pad_token_id(proc), progress=False)
     mods = ("text", "visual")
     fp = evaluate(model, named_plan("fp16", model, modalities=mods, residual_length=0), prepared, progress=False)
-    assert fp["kl"]["mean"] == 0.0
+    assert 0.0 <= fp["kl"]["mean"] < 1e-6  # the deployed (chunked) attention's rounding only
     r = evaluate(model, named_plan("int2", model, modalities=mods, residual_length=0), prepared, progress=False)
     assert r["quantized_tokens"]["k"]["visual"] > 0
     assert r["kl"]["mean"] > 0 and "acc" in r
