@@ -41,7 +41,8 @@ DEFAULT_KEY_AXES = ("channel",)
 # first tokens kept at full precision: none, the attention sink (BOS / first token), a few
 DEFAULT_SINK_LENGTHS = (0, 1, 4)
 # rank of the HeadQ-style key correction the search offers for key slots at the lowest bits (0 = off);
-# rank 2 gave the best held-out KL of ranks 0/1/2/4 at 2.5 bpv on the default model (bench/search.md)
+# chosen on the validation split: the default search at 2.5 bpv reached validation KL 0.0679 with rank 2
+# vs 0.0776 with rank 0 (bench/results/key_correction_rank/; ranks 1 and 4 not re-run on validation)
 DEFAULT_KEY_CORRECTION_RANK = 2
 # searched parameter name -> QuantizerSettings field
 Q_FIELDS = {"q.group_size": "group_size", "q.key_axis": "key_axis", "q.residual_length": "residual_length",
