@@ -42,10 +42,21 @@ def _cmd_generate(args) -> int:
 def _cmd_search(args) -> int:
     from .search import DEFAULT_BITS, BpvModel, SearchSpace, parse_budget, search
     from .search.scorers import task_scorers
+    from .search.storage import make_storage
 
     budgets = args.budget if len(args.budget) > 1 else args.budget[0]
     parsed = [parse_budget(b) for b in args.budget]  # an unparsable budget fails before the model loads
     _check_output_path(args.out, "--out")
+    if args.grace_period <= args.heartbeat_interval:
+        raise KVPlanError(f"--grace-period {args.grace_period}: must be longer than --heartbeat-interval "
+                          f"{args.heartbeat_interval}")
+    if args.finalize and not (args.storage and args.study_name):
+        raise KVPlanError("--finalize: needs the --storage and --study-name of the study to finalize")
+    if args.worker is not None and not args.storage:
+        raise KVPlanError(f"--worker {args.worker}: several workers share a study through --storage; without it "
+                          "each process searches alone")
+    # the storage is opened (driver, URL, server) before the model loads
+    storage = make_storage(args.storage, heartbeat_interval=args.heartbeat_interval, grace_period=args.grace_period)
 
     def check_budgets(geometry, reference, modalities):
         """Reject an unreachable budget before any full-precision prefill."""
@@ -69,10 +80,15 @@ def _cmd_search(args) -> int:
     if args.no_pre_rope_keys:
         extra["key_pre_rope"] = False
     result = search(model=args.model, budget=budgets, granularity=args.granularity, n_trials=args.trials,
-                    seed=args.seed, storage=args.storage, study_name=args.study_name, out=args.out,
+                    seed=args.seed, storage=storage, study_name=args.study_name, out=args.out,
                     scorer=scorers.calibration, validation_scorer=scorers.validation, test_scorer=scorers.test,
                     context_len=args.context, pareto=args.pareto, surrogate=not args.no_surrogate,
-                    worker=args.worker, progress=not args.quiet, **extra)
+                    worker=args.worker, progress=not args.quiet, heartbeat_interval=args.heartbeat_interval,
+                    grace_period=args.grace_period, finalize=args.finalize, **extra)
+    if result.finalized_by is not None:
+        by = result.finalized_by
+        print(f"study {args.study_name}: finalized by another worker (host {by.get('host')}, pid {by.get('pid')}, "
+              f"worker {by.get('worker')}), which wrote the plan files; its plans:")
     for budget, plan in sorted(result.plans.items()):
         bpv = plan.bpv()
         test = plan.metrics.get("test") or {}
@@ -181,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="smollm2-135m", help="model name, .gguf file, directory or hub id")
     s.add_argument("--granularity", default="slot", choices=["slot", "layer_kv", "layer", "kvtuner"],
                    help="slot = layer x KV head x K/V x modality; layer_kv = KVTuner space; kvtuner = its pairs")
-    s.add_argument("--trials", type=int, default=60,
+    s.add_argument("--trials", type=_positive, default=60,
                    help="real (scored) evaluations in the study, after the sensitivity profile "
                         "(100 evaluations on the default model)")
     s.add_argument("--seed", type=int, default=0)
@@ -205,7 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluated tokens after each history (built-in task)")
     s.add_argument("--storage", help="Optuna storage: journal file path, sqlite:///file.db or an RDB URL")
     s.add_argument("--study-name", help="study to create, join (parallel workers) or resume")
-    s.add_argument("--worker", type=int, help="worker index when several processes share a study")
+    s.add_argument("--worker", type=_non_negative, help="worker index when several processes share a study "
+                   "(seeds its sampler; each worker of a study should have its own)")
+    s.add_argument("--heartbeat-interval", type=_positive, default=10, metavar="S",
+                   help="seconds between a worker's heartbeats on an RDB storage (SQLite, PostgreSQL)")
+    s.add_argument("--grace-period", type=_positive, default=60, metavar="S",
+                   help="a trial whose worker sent no heartbeat for this long is failed and measured again by "
+                        "another worker")
+    s.add_argument("--finalize", action="store_true",
+                   help="only pick, measure and export the final plan of an existing --storage/--study-name study")
     s.add_argument("--pareto", action="store_true", help="multi-objective search (KL vs bpv)")
     s.add_argument("--no-surrogate", action="store_true", help="score every candidate for real (ablation)")
     s.add_argument("--sink-lengths", type=int, nargs="+", default=None, metavar="N",

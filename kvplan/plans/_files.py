@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import time
 
 from ..errors import PlanError
 
@@ -49,19 +49,100 @@ def check_size(text: str | bytes, source: str | None) -> None:
         raise _too_large(len(text), source)
 
 
+TMP_SUFFIX = ".kvplan-tmp"
+STALE_TMP_S = 60.0  # an old-style ".tmp-*" file this old is a dead writer's, not a live one's
+
+
+def _tmp_name(path: str) -> str:
+    """``.<name>.<pid>.kvplan-tmp`` beside ``path``: the writer's pid in the name, so a later write
+    can tell a dead writer's leftovers from a live writer's file."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.{os.getpid()}{TMP_SUFFIX}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def clean_stale_temps(path) -> list[str]:
+    """Remove the temporary files a killed writer of ``path`` left beside it (its pid is gone,
+    or an old-style ``.tmp-*<name>`` older than a minute); returns what was removed."""
+    folder, name = os.path.split(os.path.abspath(os.fspath(path)))
+    removed = []
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return removed
+    now = time.time()
+    for e in entries:
+        full = os.path.join(folder, e)
+        stale = False
+        if e.startswith(f".{name}.") and e.endswith(TMP_SUFFIX):
+            pid = e[len(name) + 2: -len(TMP_SUFFIX)]
+            stale = pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid)))
+        elif e.startswith(".tmp-") and e.endswith(name):
+            try:
+                stale = now - os.stat(full).st_mtime > STALE_TMP_S
+            except OSError:
+                stale = False
+        if stale:
+            try:
+                os.unlink(full)
+                removed.append(full)
+            except OSError:
+                pass
+    return removed
+
+
+def _fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_file_set(files: dict) -> None:
+    """Write several text files as one set: every file to a temporary name in its own folder
+    (leftovers of a killed earlier write removed first) and ``fsync``-ed, and only then each
+    renamed into place. A failure before the renames leaves the old set untouched; a kill
+    during the renames (microseconds) can mix sets, which is why the search writes one
+    ``run_id`` into every file of a set and ``kvplan explain`` checks it."""
+    tmps: list[tuple[str, str]] = []
+    try:
+        for path, text in files.items():
+            path = os.fspath(path)
+            folder = os.path.dirname(os.path.abspath(path))
+            os.makedirs(folder, exist_ok=True)
+            clean_stale_temps(path)
+            tmp = _tmp_name(path)
+            tmps.append((tmp, path))
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        for tmp, path in tmps:
+            os.replace(tmp, path)
+        for folder in {os.path.dirname(os.path.abspath(p)) for _, p in tmps}:
+            _fsync_dir(folder)
+    except BaseException:
+        for tmp, _ in tmps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        raise
+
+
 def atomic_write_text(path, text: str) -> None:
     """Write ``text`` to ``path`` via a temp file in the same folder and an atomic rename."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_file_set({os.fspath(path): text})

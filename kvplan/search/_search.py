@@ -78,7 +78,13 @@ from .sensitivity import DEFAULT_HEAD_UNITS, correction_factor, run_profile, slo
 from .space import (DEFAULT_BITS, DEFAULT_GROUP_SIZES, DEFAULT_KEY_AXES, DEFAULT_KEY_CORRECTION_RANK,
                     DEFAULT_RESIDUAL_LENGTHS,
                     DEFAULT_SINK_LENGTHS, SearchSpace)
-from .storage import fail_orphaned_trials, is_persistent, make_storage, owner_attrs
+from ..errors import describe
+from ..plans import KeyBasis
+from ..plans._files import write_file_set
+from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
+                       run_once, tell)
+from .storage import (DEFAULT_GRACE_S, DEFAULT_HEARTBEAT_S, Heartbeat, describe_storage, fail_orphaned_trials,
+                      is_persistent, make_storage, owner_attrs, trial_owner)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -112,6 +118,7 @@ class SearchResult:
     n_profile_evals: int
     elapsed_s: float
     paths: dict[str, str] = field(default_factory=dict)
+    finalized_by: dict | None = None  # the worker that exported the plans, when it was another one
 
     @property
     def best_kl(self) -> float:
@@ -179,7 +186,8 @@ class _Searcher:
     def __init__(self, *, space: SearchSpace, reference: Reference, budgets: list[float], scorer: Scorer,
                  study: optuna.Study, seed: int, rng_seed: int, n_trials: int, surrogate: bool, n_candidates: int,
                  n_local: int, top_k: int, n_startup: int, kappa: float, persistent: bool, progress: bool,
-                 profile: dict | None, multi: bool = False, prior_offset: bool = True):
+                 profile: dict | None, multi: bool = False, prior_offset: bool = True,
+                 heartbeat: Heartbeat | None = None, owner: dict | None = None):
         self.space, self.reference, self.budgets, self.scorer = space, reference, budgets, scorer
         self.budget = max(budgets)  # the repair ceiling (every trial fits the loosest budget)
         self.multi = multi or len(budgets) > 1
@@ -197,15 +205,24 @@ class _Searcher:
         self.n_evals = 0
         self.bar = None
         self.use_prior_offset = prior_offset
+        self.hb = heartbeat or Heartbeat(None)
+        self.owner = owner or owner_attrs()
+        self.mine: set[int] = set()  # trial ids this worker holds (RUNNING)
+        self._keys: dict[int, str] = {}  # trial id -> plan key of COMPLETE trials
 
     # ---------------------------------------------------------------- bookkeeping
     def complete(self) -> list[optuna.trial.FrozenTrial]:
         return self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
 
-    def evaluated_keys(self) -> set:
+    def evaluated_keys(self) -> set[str]:
+        """Plan keys (:func:`key_hash`) of the COMPLETE trials (any worker's)."""
         out = set()
         for t in self.complete():
-            out.add(self._key_of_params(t.params))
+            k = self._keys.get(t._trial_id)
+            if k is None:
+                k = t.user_attrs.get("kvplan.key") or key_hash(self._key_of_params(t.params))
+                self._keys[t._trial_id] = k
+            out.add(k)
         return out
 
     def _key_of_params(self, params):
@@ -263,7 +280,7 @@ class _Searcher:
         seen = self.evaluated_keys()
         n = 0
         for lv, q, source in seeds:
-            k = _key(lv, q)
+            k = key_hash(_key(lv, q))
             if k in seen:
                 continue
             seen.add(k)
@@ -271,39 +288,85 @@ class _Searcher:
             n += 1
         return n
 
+    # ---------------------------------------------------------------- trials this worker holds
+    def _set_attr(self, trial, key, value) -> bool:
+        """Set a user attr of a trial this worker holds; ``False`` if it is already finished."""
+        try:
+            self.study._storage.set_trial_user_attr(trial._trial_id, key, value)
+            return True
+        except (optuna.exceptions.UpdateFinishedTrialError, RuntimeError, ValueError):
+            return False
+
+    def _drop(self, trial, role: str) -> None:
+        """Finish a held trial that is not evaluated: ``FAIL`` with ``kvplan.role = role``."""
+        self._set_attr(trial, "kvplan.role", role)
+        self.mine.discard(trial._trial_id)
+        tell(self.study, trial, self.hb, state=TrialState.FAIL)
+
+    def _reservation(self, key: str):
+        """A bookkeeping RUNNING trial holding an evaluation slot for a plan no asked trial carries."""
+        t = add_running(self.study, self.owner, self.hb, {"kvplan.role": "reservation", "kvplan.eval": key})
+        self.mine.add(t._trial_id)
+        return t
+
     # ---------------------------------------------------------------- one real evaluation
     def evaluate(self, levels, q, source: str, asked=None, pred: float | None = None, extra: dict | None = None):
+        """Evaluate one plan for real under ``asked`` (a held trial) or a new reservation trial.
+        Returns ``(kl, bpv)``, or ``None`` when no slot was free or another worker has (or is
+        evaluating) the same plan (see :func:`kvplan.search._workers.reserve`)."""
         params = self.space.params_of(levels, q)
         plan = self.space.plan_of(params, self.reference)
         bpv = plan.bpv().total
         if bpv > self.budget + 1e-6:  # BpvModel and the accounting disagree: a bug, never evaluate
             raise AssertionError(f"internal: repaired plan has {bpv} bpv > budget {self.budget}")
+        key = key_hash(_key(levels, q))
+        if asked is None and not self.persistent:  # one worker: nothing to reserve against
+            if key in self.evaluated_keys() or self.complete_count() >= self.n_trials:
+                return None
+        else:
+            if asked is None:
+                asked = self._reservation(key)
+            status = reserve(self.study, asked, key, self.n_trials, self.evaluated_keys())
+            if status != "ok":
+                self._drop(asked, status if isinstance(asked, optuna.Trial) else "reservation")
+                return None
         t0 = time.perf_counter()
         res = self.scorer(plan)
         dt = time.perf_counter() - t0
         kl = float(res["kl"])
         self.n_evals += 1
         attrs = {"kvplan.source": source, "kvplan.bpv": bpv, "kvplan.eval_s": dt,
-                 "kvplan.metrics": _plain(_metrics_of(res))}
+                 "kvplan.metrics": _plain(_metrics_of(res)), "kvplan.key": key}
         if pred is not None:
             attrs["kvplan.pred_log_kl"] = float(pred)
         if extra:
             attrs.update(extra)
         ok = math.isfinite(kl)
         values = [kl, bpv] if self.multi else [kl]
-        same = asked is not None and dict(asked.params) == params
+        same = isinstance(asked, optuna.Trial) and dict(asked.params) == params
+        lost = False
         if same:
             for k, v in attrs.items():
-                asked.set_user_attr(k, v)
-            self.study.tell(asked, values if ok else None, state=TrialState.COMPLETE if ok else TrialState.FAIL)
+                lost = lost or not self._set_attr(asked, k, v)
+            self.mine.discard(asked._trial_id)
+            lost = lost or not tell(self.study, asked, self.hb, values if ok else None,
+                                    state=TrialState.COMPLETE if ok else TrialState.FAIL)
         else:
-            if ok:
+            # the slot is still ours only while the trial holding it runs (another worker fails
+            # it when its heartbeat stops, and may then measure it again)
+            lost = asked is not None and self.study._storage.get_trial(asked._trial_id).state != TrialState.RUNNING
+            if ok and not lost:
                 self.study.add_trial(optuna.trial.create_trial(
                     params=params, distributions={k: self.dists[k] for k in params}, values=values,
-                    user_attrs=attrs))
+                    user_attrs={**attrs, "kvplan.owner": self.owner} if self.persistent else attrs))
             if asked is not None:
-                asked.set_user_attr("kvplan.role", "repaired")
-                self.study.tell(asked, state=TrialState.FAIL)
+                self._drop(asked, "repaired" if isinstance(asked, optuna.Trial) else "reservation")
+        if lost:
+            import warnings
+
+            warnings.warn(f"kvplan: trial {asked.number} was failed by another worker while this one evaluated it "
+                          "(heartbeat late: raise --grace-period); its result is dropped")
+            return None
         self._progress(kl, bpv)
         return kl, bpv
 
@@ -325,10 +388,11 @@ class _Searcher:
 
     # ---------------------------------------------------------------- candidates
     def ask(self):
-        t = self.study.ask(self.dists)
+        t = quiet_ask(self.study, self.dists)
+        self.hb.hold(t._trial_id)
+        self.mine.add(t._trial_id)
         if self.persistent:
-            for k, v in owner_attrs().items():
-                t.set_user_attr(k, v)
+            t.set_user_attr("kvplan.owner", self.owner)
         return t
 
     def repaired(self, params) -> tuple[np.ndarray, Any]:
@@ -368,24 +432,27 @@ class _Searcher:
             t = self.ask()
             source = t.user_attrs.get("kvplan.source", "tpe")
             lv, q = self.repaired(t.params)
-            if _key(lv, q) in self.evaluated_keys():
-                t.set_user_attr("kvplan.role", "duplicate")
-                self.study.tell(t, state=TrialState.FAIL)
+            if key_hash(_key(lv, q)) in self.evaluated_keys():
+                self._drop(t, "duplicate")
                 continue
             self.evaluate(lv, q, source, asked=t)
             return
         # TPE keeps proposing known plans: fall back to a mutation
         for lv, q in self.mutations(20):
-            if _key(lv, q) not in self.evaluated_keys():
-                self.evaluate(lv, q, "mutation")
-                return
+            if key_hash(_key(lv, q)) not in self.evaluated_keys():
+                if self.evaluate(lv, q, "mutation") is not None or self._full():
+                    return
+
+    def _full(self) -> bool:
+        """The study's ``n_trials`` are done or in flight (this worker's held slots included)."""
+        return self.complete_count() + in_flight(self.study, set()) >= self.n_trials
 
     def step_surrogate(self) -> None:
         done = self.complete()
         items = [(self.space.levels_of(t.params), self.space.quantizer_of(t.params)) for t in done]
         y = log_kl([t.values[0] for t in done])
         sur = ForestSurrogate(seed=self.seed + len(done)).fit(self._features(items), y, self._offset(items))
-        seen = {_key(lv, q) for lv, q in items}
+        seen = self.evaluated_keys()
         cands: list[tuple[np.ndarray, Any, Any, str]] = []  # (levels, q, asked trial or None, source)
         asked = [self.ask() for _ in range(self.n_candidates)]
         for t in asked:
@@ -395,7 +462,7 @@ class _Searcher:
             cands.append((lv, q, None, "mutation+surrogate"))
         uniq, keys = [], set()
         for c in cands:
-            k = _key(c[0], c[1])
+            k = key_hash(_key(c[0], c[1]))
             if k in seen or k in keys:
                 continue
             keys.add(k)
@@ -412,17 +479,18 @@ class _Searcher:
             if id(c) in chosen_ids:
                 if self.complete_count() >= self.n_trials:
                     break
-                self.evaluate(c[0], c[1], c[3], asked=c[2], pred=float(preds[i]))
                 if c[2] is not None:
-                    evaluated_trials.add(id(c[2]))
+                    evaluated_trials.add(id(c[2]))  # told by evaluate(), whatever happens
+                r = self.evaluate(c[0], c[1], c[3], asked=c[2], pred=float(preds[i]))
+                if r is None and self._full():
+                    break
         pred_of = {id(c[2]): float(preds[i]) for i, c in enumerate(uniq) if c[2] is not None}
         for t in asked:
             if id(t) in evaluated_trials:
                 continue
-            t.set_user_attr("kvplan.role", "screened")
             if id(t) in pred_of:
-                t.set_user_attr("kvplan.pred_log_kl", pred_of[id(t)])
-            self.study.tell(t, state=TrialState.FAIL)
+                self._set_attr(t, "kvplan.pred_log_kl", pred_of[id(t)])
+            self._drop(t, "screened")
         if not chosen:  # nothing new proposed: keep going with single steps
             self.step_single()
 
@@ -442,15 +510,31 @@ class _Searcher:
         try:
             stall = 0
             while True:
+                if self.persistent:
+                    fail_orphaned_trials(self.study)  # a dead worker's trials go back to the queue
+                    if self.study.user_attrs.get("kvplan.exhausted"):
+                        break
                 n = self.complete_count()
                 if n >= self.n_trials:
                     break
+                if self.persistent and n + in_flight(self.study, set()) >= self.n_trials:
+                    # the last slots are being evaluated elsewhere: wait for them (or for their
+                    # workers' heartbeats to stop, which puts them back in the queue)
+                    if self.bar is not None:
+                        self.bar.set_description_str("kvplan search (waiting for other workers)")
+                    time.sleep(POLL_S)
+                    continue
                 if self.waiting() or not self.use_surrogate or n < self.n_startup:
                     self.step_single()
                 else:
                     self.step_surrogate()
+                if self.bar is not None:
+                    self.bar.n = min(self.complete_count(), self.n_trials)
+                    self.bar.refresh()
                 stall = stall + 1 if self.complete_count() == n else 0
                 if stall > 20:
+                    if self.persistent:
+                        self.study.set_user_attr("kvplan.exhausted", True)
                     break  # the space is exhausted (tiny spaces)
         finally:
             if self.bar is not None:
@@ -458,33 +542,43 @@ class _Searcher:
 
 
 # ----------------------------------------------------------------------------- results
-def _trial_rows(space: SearchSpace, trials) -> list[dict]:
+def _trial_rows(space: SearchSpace, trials, run_id: str = "") -> list[dict]:
     rows = []
     for t in trials:
         q = space.quantizer_of(t.params)
         table = space.table_of(t.params)
         m = t.user_attrs.get("kvplan.metrics", {}) or {}
+        who = trial_owner(t)
         row = {"number": t.number, "source": t.user_attrs.get("kvplan.source", ""), "kl": t.values[0],
                "bpv": t.user_attrs.get("kvplan.bpv"), "group_size": q.group_size, "key_axis": q.key_axis,
                "value_axis": q.value_axis, "residual_length": q.residual_length,
                "sink_length": q.sink_length, "pred_log_kl": t.user_attrs.get("kvplan.pred_log_kl", "")}
         for k in ("nll", "accuracy", "kl_se"):
             row[k] = m.get(k, "")
+        row.update(host=who.get("host", ""), pid=who.get("pid", ""), run_id=run_id)
         row["bits"] = " ".join(str(int(b)) for b in table.ravel())
         rows.append(row)
     return rows
 
 
-def write_history(path, space: SearchSpace, trials) -> None:
-    rows = _trial_rows(space, sorted(trials, key=lambda t: t.number))
+HISTORY_COLUMNS = ["number", "source", "kl", "bpv", "group_size", "key_axis", "value_axis", "residual_length",
+                   "sink_length", "pred_log_kl", "nll", "accuracy", "kl_se", "host", "pid", "run_id", "bits"]
+
+
+def history_text(space: SearchSpace, trials, run_id: str = "") -> str:
+    """The ``.trials.csv`` text: one row per trial (who measured it: ``host``, ``pid``; the
+    export's ``run_id`` on every row, so a plan and its sidecars can be matched)."""
+    rows = _trial_rows(space, sorted(trials, key=lambda t: t.number), run_id)
     buf = io.StringIO()
-    cols = ["number", "source", "kl", "bpv", "group_size", "key_axis", "value_axis", "residual_length",
-            "sink_length", "pred_log_kl", "nll", "accuracy", "kl_se", "bits"]
-    w = csv.DictWriter(buf, fieldnames=cols)
+    w = csv.DictWriter(buf, fieldnames=HISTORY_COLUMNS)
     w.writeheader()
     for r in rows:
         w.writerow(r)
-    atomic_write_text(path, buf.getvalue())
+    return buf.getvalue()
+
+
+def write_history(path, space: SearchSpace, trials, run_id: str = "") -> None:
+    atomic_write_text(path, history_text(space, trials, run_id))
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -518,7 +612,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
            surrogate_offset: bool = True,
            n_candidates: int = 16, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
-           worker: int | None = None, progress: bool = True) -> SearchResult:
+           worker: int | None = None, progress: bool = True, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_S,
+           grace_period: int | None = DEFAULT_GRACE_S, finalize: bool = False) -> SearchResult:
     """Search a mixed-precision KV-cache plan under an honest bpv budget.
 
     ``model``: a model name/path or a loaded ``(model, processor)`` pair, scored on ``task``
@@ -583,16 +678,13 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         reference = getattr(scorer, "reference", None) or Reference()
     if context_len is not None and reference.context_len != context_len:
         reference = Reference(int(context_len), reference.modality_mix, reference.full_precision_bits)
-    key_basis = None
     has_queries = hasattr(scorer, "model") and hasattr(scorer, "calibration_sequences")
     if key_correction_rank is None:
         key_correction_rank = DEFAULT_KEY_CORRECTION_RANK if has_queries else 0
-    if key_correction_rank:
-        if not has_queries:
-            raise KVPlanError("key_correction_rank > 0 needs a scorer with .model and .calibration_sequences() to "
-                              "learn the query bases from (the built-in harness scorer has both); pass "
-                              "key_correction_rank=0 to search without the key correction")
-        key_basis = query_basis(scorer.model, scorer.calibration_sequences(), key_correction_rank)
+    if key_correction_rank and not has_queries:
+        raise KVPlanError("key_correction_rank > 0 needs a scorer with .model and .calibration_sequences() to "
+                          "learn the query bases from (the built-in harness scorer has both); pass "
+                          "key_correction_rank=0 to search without the key correction")
     if rotation is None:
         rotation = "hadamard" if hadamard_fits(geometry.head_dim) else "none"
     rope_model = getattr(scorer, "model", None) or (model if hasattr(model, "named_buffers") else None)
@@ -608,18 +700,30 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     if key_pre_rope and inv_freq is None:
         raise KVPlanError("key_pre_rope needs the model's RoPE frequencies: pass a loaded RoPE model (or a scorer "
                           "with .model), or key_pre_rope=False")
-    space = SearchSpace(geometry, modalities, granularity, bits, group_sizes, residual_lengths, key_axes,
-                        sink_lengths=sink_lengths, key_basis=key_basis, key_correction_bits=key_correction_bits,
-                        rotation=rotation, rope_inv_freq=inv_freq if key_pre_rope else None)
-    bmodel = BpvModel(space, reference)
-    for b in budgets:
-        bmodel.check_budget(b)
 
-    st = make_storage(storage)
+    def make_space(key_basis):
+        return SearchSpace(geometry, modalities, granularity, bits, group_sizes, residual_lengths, key_axes,
+                           sink_lengths=sink_lengths, key_basis=key_basis, key_correction_bits=key_correction_bits,
+                           rotation=rotation, rope_inv_freq=inv_freq if key_pre_rope else None)
+
+    BpvModel(make_space(None), reference).check_budget(min(budgets))  # before any study or basis work
+    data_hash = getattr(scorer, "data_hash", None)
+    model_name = getattr(scorer, "model_name", None)
+
+    st = make_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period)
+    label = describe_storage(storage)
     persistent = is_persistent(st)
     study_name = study_name or f"kvplan-{granularity}-{'-'.join(f'{b:g}' for b in budgets)}bpv-s{seed}"
-    study = optuna.create_study(storage=st, study_name=study_name, load_if_exists=True,
-                                directions=["minimize", "minimize"] if multi else ["minimize"])
+    if finalize and st is None:
+        raise KVPlanError("finalize: needs the --storage and --study-name of an existing study")
+    if finalize:
+        try:
+            study = optuna.load_study(study_name=study_name, storage=st)
+        except KeyError:
+            raise KVPlanError(f"--study-name {study_name}: no such study in --storage {label}") from None
+    else:
+        study = optuna.create_study(storage=st, study_name=study_name, load_if_exists=True,
+                                    directions=["minimize", "minimize"] if multi else ["minimize"])
     n_existing = len(study.get_trials(deepcopy=False))
     if worker is not None:
         sampler_seed = seed + 7919 * worker
@@ -629,25 +733,82 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         sampler_seed = seed
     study.sampler = optuna.samplers.TPESampler(seed=sampler_seed, multivariate=True, n_startup_trials=n_startup,
                                                constant_liar=True)
-    desc = {"space": space.describe(), "budgets": budgets,
-            "reference": {"context_len": reference.context_len, "modality_mix": dict(reference.modality_mix)}}
-    old = study.user_attrs.get("kvplan.setup")
-    if old is not None and old != _plain(desc):
-        raise KVPlanError(f"study {study_name!r} in {storage} was created with a different setup ({old}); use "
-                          "another study_name or the same granularity, bits, budget and reference")
-    if old is None:
-        study.set_user_attr("kvplan.setup", _plain(desc))
-    if persistent:
-        fail_orphaned_trials(study)
+    # what a worker must share with the study to join it (refused otherwise, naming the difference)
+    identity = _plain({
+        "model": {"name": model_name, "model_type": geometry.model_type, "fingerprint": geometry.fingerprint},
+        "data_hash": data_hash, "budgets": sorted(budgets), "multi_objective": multi,
+        "reference": {"context_len": reference.context_len, "modality_mix": dict(reference.modality_mix),
+                      "full_precision_bits": reference.full_precision_bits},
+        "space": {"granularity": granularity, "bits": list(bits), "group_sizes": list(group_sizes),
+                  "residual_lengths": list(residual_lengths), "key_axes": list(key_axes),
+                  "sink_lengths": list(sink_lengths), "key_correction_rank": int(key_correction_rank),
+                  "key_correction_bits": int(key_correction_bits), "rotation": rotation,
+                  "key_pre_rope": bool(key_pre_rope)}})
+    _check_identity(study, identity, study_name, label)
+    owner = {**owner_attrs(), "worker": worker, "data_hash": data_hash}
+    hb = Heartbeat(st)
+    try:
+        return _run_study(**locals_for_run(locals()))
+    finally:
+        hb.close()
 
-    prof = None
+
+def locals_for_run(ns: dict) -> dict:
+    keys = ("study", "study_name", "label", "storage", "persistent", "hb", "owner", "identity", "make_space",
+            "scorer", "validation_scorer", "test_scorer", "reference", "budgets", "multi", "granularity",
+            "key_correction_rank", "profile", "profile_head_units", "progress", "seed", "sampler_seed", "n_trials",
+            "surrogate", "n_candidates", "n_local", "top_k", "n_startup", "kappa", "surrogate_offset", "baselines",
+            "final_candidates", "out", "finalize", "geometry", "t_start")
+    return {k: ns[k] for k in keys}
+
+
+def _check_identity(study: optuna.Study, identity: dict, study_name: str, label) -> None:
+    old = study.user_attrs.get("kvplan.identity")
+    if old is None:
+        study.set_user_attr("kvplan.identity", identity)
+        return
+    for what, key in (("model", "model"), ("task data hash", "data_hash"), ("budget", "budgets"),
+                      ("single/multi-objective mode", "multi_objective"), ("budget reference", "reference"),
+                      ("search space", "space")):
+        if old.get(key) != identity.get(key):
+            a, b = old.get(key), identity.get(key)
+            if isinstance(a, dict) and isinstance(b, dict):  # name the first differing field
+                k = next(k for k in sorted(set(a) | set(b), key=str) if a.get(k) != b.get(k))
+                key, a, b = f"{key}.{k}", a.get(k), b.get(k)
+            raise KVPlanError(f"--study-name {study_name} in --storage {label}: this worker has another {what} than "
+                              f"the study ({key}: study {describe(a)}, this worker {describe(b)}); use another "
+                              "--study-name, or the study's model, task and search options")
+
+
+def _run_study(*, study, study_name, label, storage, persistent, hb, owner, identity, make_space, scorer,
+               validation_scorer, test_scorer, reference, budgets, multi, granularity, key_correction_rank, profile,
+               profile_head_units, progress, seed, sampler_seed, n_trials, surrogate, n_candidates, n_local, top_k,
+               n_startup, kappa, surrogate_offset, baselines, final_candidates, out, finalize, geometry,
+               t_start) -> SearchResult:
+    import sys
+
+    def say(msg: str) -> None:
+        if progress:
+            print(f"kvplan search: {msg}", file=sys.stderr, flush=True)
+
     n_profile_evals = 0
-    if isinstance(profile, Mapping):
-        prof = {str(k): float(v) for k, v in profile.items()}
-        study.set_user_attr("kvplan.profile", prof)
-    elif profile:
-        prof = study.user_attrs.get("kvplan.profile")
-        if prof is None:
+
+    def setup() -> None:
+        """Once per study: the key-correction bases and the sensitivity profile, shared by all workers."""
+        nonlocal n_profile_evals
+        attrs = study.user_attrs
+        basis = None
+        if key_correction_rank:
+            if "kvplan.key_basis" in attrs and attrs["kvplan.key_basis"] is not None:
+                basis = KeyBasis(decode_array(attrs["kvplan.key_basis"]))
+            else:
+                basis = query_basis(scorer.model, scorer.calibration_sequences(), key_correction_rank)
+        study.set_user_attr("kvplan.key_basis", encode_array(basis.array) if basis is not None else None)
+        space = make_space(basis)
+        prof = attrs.get("kvplan.profile")
+        if isinstance(profile, Mapping):
+            prof = {str(k): float(v) for k, v in profile.items()}
+        elif profile and prof is None:
             bar = None
             if progress:
                 from tqdm.auto import tqdm
@@ -665,17 +826,75 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                 if bar is not None:
                     bar.close()
             n_profile_evals = len(prof)
-            study.set_user_attr("kvplan.profile", prof)
+            study.set_user_attr("kvplan.profile_by", owner)
+        study.set_user_attr("kvplan.profile", prof)
+        study.set_user_attr("kvplan.ready", {"by": owner})
+
+    if finalize and "kvplan.ready" not in study.user_attrs:
+        raise KVPlanError(f"--finalize: study {study_name} in --storage {label} has not been set up by a worker yet")
+
+    def waiting_for(job):
+        def note():
+            say(f"waiting for another worker of study {study_name} ({job})")
+        return note
+
+    run_once(study, "setup", "kvplan.ready", setup, owner, hb, persistent, on_wait=waiting_for("sensitivity profile"))
+    attrs = study.user_attrs
+    basis_attr = attrs.get("kvplan.key_basis")
+    space = make_space(KeyBasis(decode_array(basis_attr)) if basis_attr else None)
+    bmodel = BpvModel(space, reference)
+    for b in budgets:
+        bmodel.check_budget(b)
+    desc = {"space": space.describe(), "budgets": budgets,
+            "reference": {"context_len": reference.context_len, "modality_mix": dict(reference.modality_mix)}}
+    old = attrs.get("kvplan.setup")
+    if old is not None and old != _plain(desc):
+        raise KVPlanError(f"--study-name {study_name} in --storage {label} was created with a different search setup; "
+                          "use another --study-name or the same granularity, bits, budget and reference")
+    if old is None:
+        study.set_user_attr("kvplan.setup", _plain(desc))
+    prof = attrs.get("kvplan.profile") if profile is not False else None
+    if isinstance(profile, Mapping):
+        prof = {str(k): float(v) for k, v in profile.items()}
+
     s = _Searcher(space=space, reference=reference, budgets=sorted(budgets), scorer=scorer, study=study, seed=seed,
                   rng_seed=sampler_seed, n_trials=n_trials, surrogate=surrogate, n_candidates=n_candidates,
                   n_local=n_local, top_k=top_k, n_startup=n_startup, kappa=kappa, persistent=persistent,
-                  progress=progress, profile=prof, multi=multi, prior_offset=surrogate_offset)
-    s.enqueue_seeds(baselines)
-    s.run()
+                  progress=progress, profile=prof, multi=multi, prior_offset=surrogate_offset, heartbeat=hb,
+                  owner=owner)
+    if not finalize:
+        run_once(study, "seed", "kvplan.seeded", lambda: s.enqueue_seeds(baselines), owner, hb, persistent)
+        s.run()
 
-    done = sorted(s.complete(), key=lambda t: t.number)
-    if not done:
-        raise KVPlanError("the search finished without any successful evaluation")
+    def export() -> None:
+        res = _finalize(study=study, space=space, s=s, budgets=budgets, multi=multi, granularity=granularity,
+                        seed=seed, study_name=study_name, storage_label=label, prof=prof, desc=desc,
+                        reference=reference, validation_scorer=validation_scorer, test_scorer=test_scorer,
+                        final_candidates=final_candidates, scorer=scorer, geometry=geometry, out=out, owner=owner)
+        holder["result"] = res
+        study.set_user_attr("kvplan.final", {
+            "run_id": res["run_id"], "by": owner, "paths": res["paths"], "n_trials": res["n_trials"],
+            "plans": {f"{b:g}": p.to_yaml() for b, p in res["plans"].items()}})
+
+    holder: dict = {}
+    final = run_once(study, "finalize", "kvplan.final", export, owner, hb, persistent, force=finalize,
+                     on_wait=waiting_for("final measurement and export"))
+    if "result" in holder:
+        res = holder["result"]
+        plans, paths, curve, front = res["plans"], res["paths"], res["curve"], res["pareto"]
+        finalized_by = None
+    else:  # another worker measured and exported the final plan(s)
+        plans = {float(b): Plan.from_yaml(text) for b, text in final["plans"].items()}
+        paths, finalized_by = {}, final.get("by")
+        curve, front = _curve_and_front(sorted(s.complete(), key=lambda t: t.number))
+        say(f"study {study_name} was finalized by worker {describe(finalized_by)}; plan written there: "
+            f"{describe(final.get('paths', {}).get('plan'))}")
+    return SearchResult(plan=plans[min(plans)], plans=plans, study=study, space=space, budgets=budgets, profile=prof,
+                        curve=curve, pareto=front, n_real_evals=s.n_evals, n_profile_evals=n_profile_evals,
+                        elapsed_s=time.perf_counter() - t_start, paths=paths, finalized_by=finalized_by)
+
+
+def _curve_and_front(done):
     points = [(t.values[0], t.user_attrs["kvplan.bpv"]) for t in done]
     curve, best = [], None
     for t in done:
@@ -684,11 +903,23 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         curve.append((len(curve) + 1, best[0], best[1]))
     front = [{"number": done[i].number, "kl": points[i][0], "bpv": points[i][1],
               "source": done[i].user_attrs.get("kvplan.source", "")} for i in pareto_front(points)]
+    return curve, front
 
+
+def _finalize(*, study, space, s, budgets, multi, granularity, seed, study_name, storage_label, prof, desc, reference,
+              validation_scorer, test_scorer, final_candidates, scorer, geometry, out, owner) -> dict:
+    """The final plans (validation choice, test measurement) and, with ``out``, their files as one set."""
+    import uuid
+
+    done = sorted(s.complete(), key=lambda t: t.number)
+    if not done:
+        raise KVPlanError("the search finished without any successful evaluation")
+    curve, front = _curve_and_front(done)
+    run_id = uuid.uuid4().hex[:16]
     plans: dict[float, Plan] = {}
     base_metrics = {"search": {"granularity": granularity, "n_trials": len(done), "n_profile_evals":
                                len(prof) if prof else 0, "seed": seed, "study_name": study_name,
-                               "surrogate": surrogate}}
+                               "surrogate": s.use_surrogate, "run_id": run_id}}
     for b in sorted(budgets):
         fits = sorted((t for t in done if t.user_attrs["kvplan.bpv"] <= b + EPS), key=lambda t: (t.values[0], t.number))
         if not fits:
@@ -707,6 +938,9 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         metrics = {**base_metrics, "calibration": _plain(cal)}
         metrics["search"] = {**metrics["search"], "trial": bt.number,
                              "source": bt.user_attrs.get("kvplan.source", "")}
+        who = trial_owner(bt)
+        if who:
+            metrics["search"]["measured_by"] = _plain({k: who.get(k) for k in ("host", "pid", "worker")})
         if val_rows is not None:
             metrics["search"]["validation_candidates"] = _plain(val_rows)
         if val_metrics is not None:
@@ -719,28 +953,28 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         plans[b] = plan.replace(target_bpv=b, metrics=_plain(metrics), name=name, provenance=Provenance(
             produced_by="kvplan search", seed=seed, data_hash=getattr(scorer, "data_hash", None)))
 
-    main_plan = plans[min(plans)]
-    paths = {}
+    paths: dict[str, str] = {}
     if out is not None:
+        files: dict[str, str] = {}
         for b, plan in plans.items():
             o = os.fspath(out)
             if len(plans) > 1:
                 stem, ext = os.path.splitext(o)
                 o = f"{stem}-{b:g}bpv{ext or '.yaml'}"
             p = sidecar_paths(o)
-            plan.to_yaml(p["plan"])
+            files[p["plan"]] = plan.to_yaml()
             paths[f"plan@{b:g}"] = p["plan"]
         p = sidecar_paths(out)
-        write_history(p["trials"], space, done)
-        sidecar = {"space": space.describe(), "budgets": budgets, "multi_objective": multi,
-                   "reference": desc["reference"], "profile": prof, "curve": curve, "pareto": front,
-                   "seed": seed, "study_name": study_name, "storage": None if storage is None else str(storage),
+        files[p["trials"]] = history_text(space, done, run_id)
+        sidecar = {"run_id": run_id, "space": space.describe(), "budgets": budgets, "multi_objective": multi,
+                   "reference": desc["reference"], "profile": prof, "profile_by": study.user_attrs.get("kvplan.profile_by"),
+                   "curve": curve, "pareto": front, "seed": seed, "study_name": study_name, "storage": storage_label,
+                   "finalized_by": owner,
                    "baselines": [{"number": t.number, "source": t.user_attrs["kvplan.source"], "kl": t.values[0],
                                   "bpv": t.user_attrs["kvplan.bpv"]} for t in done
                                  if str(t.user_attrs.get("kvplan.source", "")).startswith("baseline:")],
                    "plans": {f"{b:g}": paths.get(f"plan@{b:g}") for b in plans}}
-        atomic_write_text(p["search"], json.dumps(_plain(sidecar), indent=1))
+        files[p["search"]] = json.dumps(_plain(sidecar), indent=1)
+        write_file_set(files)
         paths.update(trials=p["trials"], search=p["search"], plan=paths[f"plan@{min(plans):g}"])
-    return SearchResult(plan=main_plan, plans=plans, study=study, space=space, budgets=budgets, profile=prof,
-                        curve=curve, pareto=front, n_real_evals=s.n_evals, n_profile_evals=n_profile_evals,
-                        elapsed_s=time.perf_counter() - t_start, paths=paths)
+    return {"plans": plans, "paths": paths, "curve": curve, "pareto": front, "run_id": run_id, "n_trials": len(done)}

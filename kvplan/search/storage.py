@@ -2,66 +2,251 @@
 
 - ``None``                            in memory (one process);
 - ``"runs/s.journal"`` / ``".log"``   ``JournalStorage(JournalFileBackend(path))``: several
-  processes on one machine/NFS share it with file locks; about 5x faster than SQLite per trial;
-- ``"sqlite:///s.db"``, any RDB URL   ``RDBStorage`` (SQLAlchemy URL).
+  processes on one machine (or one NFS folder) share it with file locks; about 5x faster
+  than SQLite per trial;
+- ``"sqlite:///s.db"``, ``"postgresql://user@host:5432/db"``, any SQLAlchemy URL:
+  ``RDBStorage``; PostgreSQL needs a driver (``pip install 'kvplan[postgres]'``, psycopg).
 
-Workers search one study by passing the same ``storage`` and ``study_name``. A killed
-search resumes from the same storage: finished trials are kept; trials this host's dead
-processes left RUNNING are marked FAIL (:func:`fail_orphaned_trials`).
+Workers search one study by passing the same ``storage`` and ``study_name``, on one machine
+or several. **Failure detection.** On RDB storages each worker records an Optuna heartbeat
+(``heartbeat_interval`` seconds) for every trial it holds; a RUNNING trial whose heartbeat is
+older than ``grace_period`` (measured on the database server's clock, so it works across
+hosts) is failed by whichever worker looks next, and :class:`RetryStale` puts an evaluation
+trial back in the queue so another worker measures it. A journal file has no heartbeat in
+Optuna: there, a trial is failed when its owner process (recorded in ``kvplan.owner``) is gone
+on this host, which only sees processes of this machine.
+
+Opening a storage never retries arbitrary errors: a missing driver, a malformed URL or an
+unreachable server is one :class:`StorageError` line naming ``--storage``; only the known
+race of several workers creating the same fresh database schema is retried.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
+import re
 import socket
+import threading
 import time
+import warnings
 
 import optuna
 from optuna.trial import TrialState
 
-from ..errors import KVPlanError
+from ..errors import KVPlanError, one_line
 
 JOURNAL_SUFFIXES = (".journal", ".log", ".jsonl")
+DEFAULT_HEARTBEAT_S = 10  # seconds between two heartbeats of a held trial (RDB storages)
+DEFAULT_GRACE_S = 60  # a RUNNING trial without a heartbeat for this long is failed (and retried)
 
 
-def make_storage(storage):
-    """An Optuna storage object (or ``None`` for in-memory) from a path / URL / storage."""
+class StorageError(KVPlanError):
+    """The study storage named by the user cannot be opened (driver, URL, server, permissions)."""
+
+
+def redact(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for error lines and sidecars)."""
+    return re.sub(r"(://[^/:@]*:)[^/@]*@", r"\1***@", str(url))
+
+
+_SCHEMA_RACE = ("already exists", "duplicate key", "database is locked", "uniqueviolation", "unique constraint")
+
+
+def _is_schema_race(e: Exception) -> bool:
+    import sqlalchemy.exc
+
+    return isinstance(e, sqlalchemy.exc.DBAPIError) and any(s in str(e).lower() for s in _SCHEMA_RACE)
+
+
+def _driver_hint(url: str) -> str:
+    if url.startswith(("postgresql", "postgres")):
+        return "; install a PostgreSQL driver: pip install 'kvplan[postgres]' (psycopg)"
+    if url.startswith("mysql"):
+        return "; install a MySQL driver (e.g. pip install pymysql and use mysql+pymysql://)"
+    return ""
+
+
+def _open_rdb(url: str, heartbeat_interval: int | None, grace_period: int | None):
+    import sqlalchemy.exc
+
+    label = redact(url)
+    if url.startswith("postgres://"):
+        raise StorageError(f"--storage {label}: SQLAlchemy needs the scheme postgresql:// (not postgres://)")
+    if url.startswith("sqlite:///"):
+        folder = os.path.dirname(os.path.abspath(url[len("sqlite:///"):]))
+        if not os.path.isdir(folder):
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError as e:
+                raise StorageError(f"--storage {label}: cannot create folder {folder}: {e.strerror or e}") from None
+    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    if url.startswith("postgresql"):
+        kwargs = {"connect_args": {"connect_timeout": 10}}
+    hb = {}
+    if heartbeat_interval:
+        hb = {"heartbeat_interval": int(heartbeat_interval), "grace_period": int(grace_period or DEFAULT_GRACE_S),
+              "heartbeat_stale_trial_callback": RetryStale()}
+    for attempt in range(8):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, **hb)
+        except ImportError as e:
+            raise StorageError(f"--storage {label}: its database driver is not installed ({e}){_driver_hint(url)}") \
+                from None
+        except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError) as e:
+            raise StorageError(f"--storage {label}: not a usable database URL ({one_line(str(e), 200)})") from None
+        except sqlalchemy.exc.DBAPIError as e:
+            if _is_schema_race(e) and attempt < 7:
+                # several workers creating one fresh database race on its schema/version rows
+                time.sleep(0.2 + 0.3 * random.random())
+                continue
+            first = str(getattr(e, "orig", None) or e).strip().splitlines()
+            raise StorageError(f"--storage {label}: cannot open the database: "
+                               f"{one_line(first[0] if first else type(e).__name__, 300)}") from None
+    raise AssertionError("unreachable")
+
+
+def make_storage(storage, *, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_S,
+                 grace_period: int | None = DEFAULT_GRACE_S):
+    """An Optuna storage object (or ``None`` for in-memory) from a path / URL / storage.
+
+    RDB storages get Optuna's heartbeat (``heartbeat_interval`` seconds, ``None``/0: off) and
+    :class:`RetryStale`. Raises :class:`StorageError` (one line) when it cannot be opened."""
     if storage is None or not isinstance(storage, (str, os.PathLike)):
         return storage
     s = os.fspath(storage)
     if "://" in s:
-        if s.startswith("sqlite:///"):
-            folder = os.path.dirname(os.path.abspath(s[len("sqlite:///"):]))
-            os.makedirs(folder, exist_ok=True)
-        kwargs = {"connect_args": {"timeout": 60}} if s.startswith("sqlite") else None
-        for attempt in range(8):
-            try:
-                return optuna.storages.RDBStorage(s, engine_kwargs=kwargs)
-            except Exception:
-                # several workers creating a fresh database race on its schema/version rows: retry
-                if attempt == 7:
-                    raise
-                time.sleep(0.2 + 0.3 * random.random())
+        return _open_rdb(s, heartbeat_interval, grace_period)
     if s.endswith(JOURNAL_SUFFIXES):
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
         folder = os.path.dirname(os.path.abspath(s))
-        os.makedirs(folder, exist_ok=True)
-        return JournalStorage(JournalFileBackend(s))
-    raise KVPlanError(f"storage {s!r}: use an RDB URL (sqlite:///study.db, postgresql://...) or a journal file path "
-                      f"ending in {', '.join(JOURNAL_SUFFIXES)}")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            return JournalStorage(JournalFileBackend(s))
+        except OSError as e:
+            raise StorageError(f"--storage {s}: cannot open the journal file: {e.strerror or e}") from None
+    raise StorageError(f"--storage {one_line(s, 200)}: use an RDB URL (sqlite:///study.db, postgresql://...) or a "
+                       f"journal file path ending in {', '.join(JOURNAL_SUFFIXES)}")
+
+
+def describe_storage(storage) -> str | None:
+    """A printable name of a storage (URL with the password hidden, journal path), or ``None``."""
+    if storage is None:
+        return None
+    if isinstance(storage, (str, os.PathLike)):
+        return redact(os.fspath(storage))
+    url = getattr(storage, "url", None)
+    if url:
+        return redact(url)
+    path = getattr(getattr(storage, "_backend", None), "_file_path", None)
+    return str(path) if path else type(storage).__name__
 
 
 def is_persistent(storage) -> bool:
     return storage is not None
 
 
+def has_heartbeat(storage) -> bool:
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    return storage is not None and is_heartbeat_enabled(storage)
+
+
 HOST = socket.gethostname()
 
 
 def owner_attrs() -> dict:
-    return {"kvplan.host": HOST, "kvplan.pid": os.getpid()}
+    """Who holds a trial: recorded in ``user_attrs["kvplan.owner"]`` in one write."""
+    from .._version import __version__
+
+    return {"host": HOST, "pid": os.getpid(), "kvplan_version": __version__}
+
+
+def trial_owner(t) -> dict:
+    o = t.user_attrs.get("kvplan.owner")
+    if isinstance(o, dict):
+        return o
+    if "kvplan.host" in t.user_attrs:  # studies written before kvplan.owner
+        return {"host": t.user_attrs.get("kvplan.host"), "pid": t.user_attrs.get("kvplan.pid")}
+    return {}
+
+
+# Roles of trials that are bookkeeping, not evaluations: never retried when their owner dies.
+NO_RETRY_ROLES = ("profile-claim", "finalize-claim", "reservation")
+# Attributes of a trial that belong to its dead owner, not to the plan it proposes.
+OWNER_KEYS = ("kvplan.owner", "kvplan.eval", "kvplan.role", "kvplan.host", "kvplan.pid")
+
+
+class RetryStale:
+    """Heartbeat-stale trial callback: a failed *evaluation* trial goes back to the queue
+    (``WAITING``, same params, its owner's attributes dropped) so another worker measures it,
+    at most ``max_retry`` times; bookkeeping trials (claims, reservations) are not retried.
+    Like Optuna's ``RetryHeartbeatStaleTrialCallback``, it records ``failed_trial`` and
+    ``retry_history`` in the new trial's system attrs."""
+
+    def __init__(self, max_retry: int = 3):
+        self.max_retry = max_retry
+
+    def __call__(self, study: optuna.Study, trial) -> None:
+        if trial.user_attrs.get("kvplan.role") in NO_RETRY_ROLES or not trial.params:
+            return
+        history = list(trial.system_attrs.get("retry_history", [])) + [trial.number]
+        if len(history) > self.max_retry:
+            return
+        system_attrs = {k: v for k, v in trial.system_attrs.items() if k not in ("fixed_params",)}
+        system_attrs.update(failed_trial=trial.system_attrs.get("failed_trial", trial.number), retry_history=history)
+        study.add_trial(optuna.trial.create_trial(
+            state=TrialState.WAITING, params=trial.params, distributions=trial.distributions,
+            user_attrs={k: v for k, v in trial.user_attrs.items() if k not in OWNER_KEYS},
+            system_attrs={**system_attrs, "fixed_params": dict(trial.params)}))
+
+
+class Heartbeat:
+    """Keeps the trials a worker holds alive: one background thread records an Optuna
+    heartbeat for each held trial every ``interval`` seconds (RDB storages with heartbeat;
+    a no-op elsewhere). ``hold(trial_id)`` records one at once."""
+
+    def __init__(self, storage):
+        self.storage = storage
+        self.enabled = has_heartbeat(storage)
+        self.held: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        if self.enabled:
+            self.interval = float(storage.get_heartbeat_interval())
+            self._thread = threading.Thread(target=self._loop, name="kvplan-heartbeat", daemon=True)
+            self._thread.start()
+
+    def hold(self, trial_id: int) -> None:
+        if not self.enabled:
+            return
+        self.storage.record_heartbeat(trial_id)
+        with self._lock:
+            self.held.add(trial_id)
+
+    def release(self, trial_id: int) -> None:
+        with self._lock:
+            self.held.discard(trial_id)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            with self._lock:
+                ids = sorted(self.held)
+            for tid in ids:
+                try:
+                    self.storage.record_heartbeat(tid)
+                except Exception as e:  # a lost connection: the grace period covers a short outage
+                    warnings.warn(f"kvplan: heartbeat of trial id {tid} not recorded: {one_line(str(e), 200)}")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
 
 def _alive(pid: int) -> bool:
@@ -74,27 +259,46 @@ def _alive(pid: int) -> bool:
     return True
 
 
-# A live worker records its owner attributes right after ``ask``; a RUNNING trial still
-# without them after this long was asked by a process killed in between.
+# Without a heartbeat (journal files): a RUNNING trial still without an owner this long after
+# it started was asked by a process killed before recording it (a live worker records its
+# owner right after ``ask``). On heartbeat storages only trials that never got a heartbeat
+# are judged this way, with the much longer grace period.
 UNOWNED_GRACE_S = 2.0
 
 
-def fail_orphaned_trials(study: optuna.Study) -> int:
-    """Mark FAIL the RUNNING trials whose owning process (on this host) is gone, and those
-    killed before they recorded an owner; returns how many."""
-    import datetime
+def fail_orphaned_trials(study: optuna.Study, grace_s: float | None = None) -> int:
+    """Fail the RUNNING trials whose worker is gone and queue evaluation trials again
+    (:class:`RetryStale`); returns how many were failed.
 
-    n = 0
+    Heartbeat storages: Optuna's ``fail_stale_trials`` (heartbeat older than the grace period,
+    any host). Without a heartbeat: trials whose owner process on this host is dead. Both: a
+    trial that never got an owner, after ``grace_s`` (default: the grace period, or
+    :data:`UNOWNED_GRACE_S` without a heartbeat)."""
+    storage = study._storage
+    hb = has_heartbeat(storage)
+    before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    if hb:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        rdb = getattr(storage, "_backend", storage)  # the study wraps an RDBStorage in a cache
+        grace = grace_s if grace_s is not None else float(getattr(rdb, "grace_period", None)
+                                                           or 2 * storage.get_heartbeat_interval())
+    else:
+        grace = grace_s if grace_s is not None else UNOWNED_GRACE_S
+    retry = RetryStale()
     now = datetime.datetime.now()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        host, pid = t.user_attrs.get("kvplan.host"), t.user_attrs.get("kvplan.pid")
-        unowned = host is None and t.datetime_start is not None and (
-            (now - t.datetime_start).total_seconds() > UNOWNED_GRACE_S)
-        dead = host == HOST and isinstance(pid, int) and pid != os.getpid() and not _alive(pid)
+        owner = trial_owner(t)
+        unowned = not owner and t.datetime_start is not None and (now - t.datetime_start).total_seconds() > grace
+        pid = owner.get("pid")
+        dead = (not hb and owner.get("host") == HOST and isinstance(pid, int) and pid != os.getpid()
+                and not _alive(pid))
         if unowned or dead:
             try:
                 study.tell(t.number, state=TrialState.FAIL)
-                n += 1
-            except Exception:  # another worker got there first
-                pass
-    return n
+            except (ValueError, RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
+                continue  # another worker got there first
+            retry(study, study._storage.get_trial(t._trial_id))
+    after = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    return len(before - after)

@@ -1,5 +1,8 @@
-"""Several worker processes on one study (journal file, SQLite) and kill -9 then resume."""
+"""One storage contract, run against every backend (journal file, SQLite, PostgreSQL), as
+Optuna's own storage tests do: several worker processes on one study, kill -9 of a worker,
+resume, refusal of a worker with another setup, clean errors for unusable storages."""
 
+import json
 import os
 import signal
 import subprocess
@@ -10,71 +13,186 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from kvplan.search import make_storage
+from kvplan.errors import KVPlanError
+from kvplan.search import make_storage, search
+from kvplan.search.storage import StorageError, trial_owner
+from tests.search.synthetic import SyntheticScorer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HB = {"heartbeat": 1, "grace": 3}  # seconds: a dead worker's trial is failed within ~3-4 s on RDB storages
 
 
-def _worker(storage, study, n, sleep=0.0, worker=None, go=None):
-    env = dict(os.environ)
+@pytest.fixture(params=["journal", "sqlite", "postgresql"])
+def storage_url(request, tmp_path):
+    if request.param == "journal":
+        return str(tmp_path / "s.journal")
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 's.db'}"
+    return request.getfixturevalue("postgres_url")
+
+
+def _worker(cfg: dict, go=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     if go:
         env["KVPLAN_TEST_GO"] = go
-    args = [sys.executable, "-m", "tests.search._worker", storage, study, str(n), str(sleep)]
-    if worker is not None:
-        args.append(str(worker))
-    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen([sys.executable, "-m", "tests.search._worker", json.dumps(cfg)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def _complete(storage, study):
-    s = optuna.load_study(study_name=study, storage=make_storage(storage))
-    return s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+def _result(out: str) -> dict:
+    return json.loads(out.split("RESULT", 1)[1])
 
 
-@pytest.mark.parametrize("kind", ["journal", "sqlite"])
-def test_two_workers_one_study(tmp_path, kind):
-    storage = str(tmp_path / "s.journal") if kind == "journal" else f"sqlite:///{tmp_path / 's.db'}"
+def _study(storage):
+    return optuna.load_study(study_name="s", storage=make_storage(storage, heartbeat_interval=None))
+
+
+def _complete(storage):
+    return _study(storage).get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+
+
+def _plan_keys(trials):
+    return [(tuple(sorted(t.params.items()))) for t in trials]
+
+
+def _start_together(cfgs, tmp_path):
     go = str(tmp_path / "go")
-    procs = [_worker(storage, "shared", 24, 0.1, worker=i, go=go) for i in range(2)]
+    procs = [_worker(c, go=go) for c in cfgs]
     for p in procs:  # both imported and waiting: start them together
-        assert p.stdout.readline().strip() == "READY", p.stderr.read()[-2000:]
+        line = p.stdout.readline().strip()
+        assert line == "READY", p.stderr.read()[-3000:]
     open(go, "w").close()
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-2000:]
-        assert "DONE" in out
-    done = _complete(storage, "shared")
-    assert len(done) >= 24
-    evals = [int(o.split("DONE")[1].split()[0]) for o, _ in outs]
-    assert all(e > 0 for e in evals), evals  # both workers contributed
-    assert sum(evals) == len(done)
-    pids = {t.user_attrs.get("kvplan.pid") for t in done} - {None}
-    assert len(pids) == 2
+    return procs
 
 
-def test_kill_9_then_resume(tmp_path):
-    storage = str(tmp_path / "k.journal")
-    p = _worker(storage, "killme", 60, sleep=0.15, worker=0)
-    deadline = time.time() + 240
-    n = 0
-    while time.time() < deadline:
-        time.sleep(0.5)
-        try:
-            n = len(_complete(storage, "killme"))
-        except Exception:
-            continue
-        if n >= 8:
-            break
-    assert n >= 8, p.stderr.read()[-2000:] if p.poll() is not None else "worker too slow"
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
-    before = {t.number: t.values[0] for t in _complete(storage, "killme")}
-    assert 8 <= len(before) < 60
-    q = _worker(storage, "killme", len(before) + 5, worker=0)
-    out, err = q.communicate(timeout=300)
-    assert q.returncode == 0, err[-2000:]
-    after = {t.number: t.values[0] for t in _complete(storage, "killme")}
-    assert len(after) == len(before) + 5
-    assert all(after[k] == v for k, v in before.items())  # finished trials survived the kill
-    s = optuna.load_study(study_name="killme", storage=make_storage(storage))
-    assert not s.get_trials(states=(TrialState.RUNNING,))  # the killed worker's trial was failed on resume
-    assert s.user_attrs.get("kvplan.profile")
+class TestStorageContract:
+    def test_two_workers_share_one_study(self, storage_url, tmp_path):
+        n = 16
+        cfgs = [{"storage": storage_url, "study": "s", "n": n, "sleep": 0.05, "worker": i, **HB,
+                 "out": str(tmp_path / f"w{i}" / "plan.yaml")} for i in range(2)]
+        for i in range(2):
+            os.makedirs(tmp_path / f"w{i}")
+        procs = _start_together(cfgs, tmp_path)
+        outs = [p.communicate(timeout=300) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+        res = [_result(o) for o, _ in outs]
+        done = _complete(storage_url)
+        assert len(done) == n  # exactly --trials, not more
+        assert len(set(_plan_keys(done))) == n  # no plan evaluated twice
+        assert sum(r["n_real_evals"] for r in res) == n
+        assert all(r["n_real_evals"] > 0 for r in res), res  # both contributed
+        # the sensitivity profile was measured once, by one worker, and shared
+        assert sorted(r["n_profile_evals"] > 0 for r in res) == [False, True], res
+        # exactly one worker measured the final plan and wrote the files; the other was told
+        writers = [i for i, r in enumerate(res) if r["finalized_by"] is None]
+        assert len(writers) == 1, res
+        w = writers[0]
+        assert os.path.exists(tmp_path / f"w{w}" / "plan.yaml")
+        assert os.listdir(tmp_path / f"w{1 - w}") == []
+        assert res[1 - w]["finalized_by"]["pid"] == res[w]["pid"]
+        assert res[0]["plan_kl"] == res[1]["plan_kl"]
+        # provenance: each trial names the host and process that measured it
+        pids = {trial_owner(t).get("pid") for t in done}
+        assert pids == {r["pid"] for r in res}
+        assert all(trial_owner(t).get("host") and trial_owner(t).get("kvplan_version") for t in done)
+        s = _study(storage_url)
+        assert not s.get_trials(states=(TrialState.RUNNING,))
+
+    @pytest.mark.slow
+    def test_kill_9_mid_trial_the_other_worker_finishes(self, storage_url, tmp_path):
+        n = 16
+        cfgs = [{"storage": storage_url, "study": "s", "n": n, "sleep": 0.4, "worker": i, "profile": False, **HB}
+                for i in range(2)]
+        procs = _start_together(cfgs, tmp_path)
+        victim = procs[1]
+        # wait until the victim holds an evaluation slot mid-trial (after a few finished trials)
+        deadline, held = time.time() + 240, None
+        while time.time() < deadline and held is None:
+            time.sleep(0.1)
+            try:
+                s = _study(storage_url)
+            except KeyError:
+                continue
+            if len(s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))) < 4:
+                continue
+            for t in s.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                if trial_owner(t).get("pid") == victim.pid and t.user_attrs.get("kvplan.eval") and t.params:
+                    held = t
+        assert held is not None, "the victim never held an evaluation trial"
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        before = {t.number: t.values[0] for t in _complete(storage_url)}
+        out, err = procs[0].communicate(timeout=300)
+        assert procs[0].returncode == 0, err[-3000:]
+        done = _complete(storage_url)
+        assert len(done) == n
+        assert len(set(_plan_keys(done))) == n
+        after = {t.number: t.values[0] for t in done}
+        assert all(after[k] == v for k, v in before.items())  # nothing finished was lost
+        s = _study(storage_url)
+        killed = s.trials[held.number]
+        assert killed.state == TrialState.FAIL  # the dead worker's trial was failed...
+        retries = [t for t in s.trials if t.system_attrs.get("failed_trial") == held.number]
+        assert len(retries) == 1  # ... and queued again exactly once
+        assert retries[0].state != TrialState.WAITING  # and the survivor took it
+        assert _result(out)["finalized_by"] is None  # the survivor finalized
+
+    @pytest.mark.slow
+    def test_resume_after_kill_keeps_finished_trials(self, storage_url, tmp_path):
+        p = _worker({"storage": storage_url, "study": "s", "n": 60, "sleep": 0.15, "worker": 0, **HB})
+        deadline, n = time.time() + 240, 0
+        while time.time() < deadline:
+            time.sleep(0.3)
+            try:
+                n = len(_complete(storage_url))
+            except KeyError:
+                continue
+            if n >= 6:
+                break
+        assert n >= 6, p.stderr.read()[-2000:] if p.poll() is not None else "worker too slow"
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        before = {t.number: t.values[0] for t in _complete(storage_url)}
+        assert 6 <= len(before) < 60
+        q = _worker({"storage": storage_url, "study": "s", "n": len(before) + 4, "worker": 0, **HB})
+        out, err = q.communicate(timeout=300)
+        assert q.returncode == 0, err[-3000:]
+        after = {t.number: t.values[0] for t in _complete(storage_url)}
+        assert len(after) == len(before) + 4
+        assert all(after[k] == v for k, v in before.items())
+        s = _study(storage_url)
+        assert s.user_attrs.get("kvplan.profile")
+        assert _result(out)["n_profile_evals"] == 0  # the profile measured before the kill was reused
+
+    def test_refuses_a_worker_with_other_task_data(self, storage_url):
+        fast = dict(budget="3.0", out=None, progress=False, n_candidates=4, n_local=8, profile=False,
+                    heartbeat_interval=1, grace_period=3)
+        search(n_trials=3, scorer=SyntheticScorer(), storage=storage_url, study_name="s", **fast)
+        with pytest.raises(KVPlanError) as e:
+            search(n_trials=3, scorer=SyntheticScorer(seed=1), storage=storage_url, study_name="s", **fast)
+        msg = str(e.value)
+        assert "\n" not in msg and "data hash" in msg and "synthetic-1" in msg and "synthetic-0" in msg
+        with pytest.raises(KVPlanError, match="search space.*bits"):
+            search(n_trials=3, scorer=SyntheticScorer(), storage=storage_url, study_name="s", bits=(2, 4, 16), **fast)
+        assert len(_complete(storage_url)) == 3  # the refused workers added nothing
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("postgresql://kvplan@127.0.0.1:1/nodb", "cannot open the database"),
+    ("postgres://kvplan@127.0.0.1/db", "postgresql://"),
+    ("mysql+nosuchdriver://u@h/db", "not a usable database URL"),
+    ("sqlite:////dev/null/x.db", "cannot create folder"),
+    ("sqlite:////", "cannot open the database"),  # the root folder itself
+    ("study.txt", "journal file path"),
+])
+def test_unusable_storage_is_one_line(url, fragment):
+    with pytest.raises(StorageError) as e:
+        make_storage(url)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_password_is_not_shown():
+    with pytest.raises(StorageError) as e:
+        make_storage("postgresql://kvplan:s3cret@127.0.0.1:1/nodb")
+    assert "s3cret" not in str(e.value) and "***" in str(e.value)
