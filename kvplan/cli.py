@@ -183,10 +183,19 @@ def _add_task_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line like kvplan's own (``kvplan search: error: ...``)."""
+
+    def error(self, message):
+        from .errors import one_line
+
+        self.exit(2, f"{self.prog}: error: {one_line(message, 500)} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ._version import __version__
 
-    p = argparse.ArgumentParser(prog="kvplan", description="Find, explain and deploy mixed-precision KV-cache plans.")
+    p = _Parser(prog="kvplan", description="Find, explain and deploy mixed-precision KV-cache plans.")
     p.add_argument("--version", action="version", version=f"kvplan {__version__}")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; use 1 on a busy machine)")
     sub = p.add_subparsers(dest="command", required=True)

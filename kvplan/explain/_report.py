@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import KVPlanError
 from ..plans import KINDS, Plan, layout_labels, plan_bytes, split_codes, uniform_plan
-from ._sidecars import QUANTIZER_COLUMNS, TrialHistory, number, read_search, read_trials, show
+from ._sidecars import QUANTIZER_COLUMNS, TrialHistory, match_run, number, read_search, read_trials, show
 
 CONTEXT_LENGTHS = (300, 1000, 1024, 4096, 32768, 131072)  # include lengths between group boundaries
 BATCH_SIZES = (1,)
@@ -285,6 +285,7 @@ def report(plan_path, importance: bool = True, seed: int = 0, context_lengths: S
     side = _sidecars(plan_path)
     search = read_search(side["search"], warnings)
     hist = read_trials(side["trials"], plan.code_table().shape, warnings)
+    search, hist = match_run(plan.metrics, search, hist, side, warnings)  # one set, or a warning
     rep["history"] = {"trials_csv": side["trials"] if hist else None}
     if hist is None:
         why = "not found" if not os.path.exists(side["trials"]) else "unusable, see the warnings"
@@ -292,6 +293,8 @@ def report(plan_path, importance: bool = True, seed: int = 0, context_lengths: S
                               "Pareto front; run kvplan search with --out next to this plan to produce it")
     else:
         rep["history"] = history_section(hist, search)
+        if hist.hosts:
+            rep["history"]["measured_on"] = dict(hist.hosts)  # host -> trials (several workers)
         if importance and len(hist) >= 5:
             rep["importance"] = _importance(hist, mods, plan.code_table().shape, seed)
         elif importance:

@@ -61,6 +61,8 @@ class TrialHistory:
     number: list[int | None]
     quantizer: dict[str, list] = field(default_factory=dict)
     n_rows: int = 0
+    run_ids: set = field(default_factory=set)  # the export runs the rows come from ("" for older files)
+    hosts: dict = field(default_factory=dict)  # host -> number of usable trials it measured
 
     def __len__(self) -> int:
         return len(self.kl)
@@ -136,6 +138,7 @@ def read_trials(path: str, shape: tuple[int, ...], warnings: list[str]) -> Trial
         return None
     n_slots = int(np.prod(shape))
     codes, kl, bpv, src, num = [], [], [], [], []
+    run_ids, hosts = set(), {}
     quant: dict[str, list] = {k: [] for k in QUANTIZER_COLUMNS}
     skipped: list[tuple[int, str]] = []
     for i, r in enumerate(rows):
@@ -155,6 +158,10 @@ def read_trials(path: str, shape: tuple[int, ...], warnings: list[str]) -> Trial
             quant[k].append(int(float(v)) if v not in (None, "") else 0)
         for k in ("key_axis", "value_axis"):
             quant[k].append(r.get(k) or "")
+        run_ids.add(str(r.get("run_id") or ""))
+        if r.get("host"):
+            h = show(r["host"], 60)
+            hosts[h] = hosts.get(h, 0) + 1
     if skipped:
         line, why = skipped[0]
         warnings.append(f"{path}: skipped {len(skipped)} of {len(rows)} rows that cannot be used "
@@ -163,7 +170,7 @@ def read_trials(path: str, shape: tuple[int, ...], warnings: list[str]) -> Trial
         warnings.append(f"{path}: ignored: no trial rows")
     if not kl:
         return None
-    return TrialHistory(path, np.stack(codes), kl, bpv, src, num, quant, len(rows))
+    return TrialHistory(path, np.stack(codes), kl, bpv, src, num, quant, len(rows), run_ids, hosts)
 
 
 def _is_num_list(v, width: int | None = None) -> bool:
@@ -189,7 +196,30 @@ SEARCH_KEYS = {
     "study_name": (lambda v: v is None or isinstance(v, str), "a string"),
     "storage": (lambda v: v is None or isinstance(v, str), "a string"),
     "plans": (lambda v: isinstance(v, dict), "an object"),
+    "run_id": (lambda v: isinstance(v, str), "a string"),
 }
+
+
+def match_run(plan_metrics, search: dict | None, hist: TrialHistory | None, paths: dict[str, str],
+              warnings: list[str]) -> tuple[dict | None, TrialHistory | None]:
+    """Drop the sidecars written by another search run than the plan (``metrics.search.run_id``),
+    with a warning naming each: a plan beside another run's history would be explained with
+    trials that never produced it. Files without run ids (older searches) are kept."""
+    s = plan_metrics.get("search") if isinstance(plan_metrics, dict) else None
+    run_id = s.get("run_id") if isinstance(s, dict) else None
+    if not isinstance(run_id, str) or not run_id:
+        return search, hist
+    if search is not None and search.get("run_id", run_id) != run_id:
+        warnings.append(f"{paths['search']}: ignored: written by another search run (run id "
+                        f"{show(search['run_id'], 40)}, the plan's is {run_id}): the plan and its sidecars are "
+                        "not one set")
+        search = None
+    if hist is not None and (hist.run_ids - {""}) and hist.run_ids != {run_id}:
+        other = sorted(hist.run_ids - {run_id})
+        warnings.append(f"{paths['trials']}: ignored: written by another search run (run id "
+                        f"{show(other[0], 40)}, the plan's is {run_id}): the plan and its sidecars are not one set")
+        hist = None
+    return search, hist
 
 
 def read_search(path: str, warnings: list[str]) -> dict[str, Any] | None:

@@ -132,6 +132,9 @@ def write_file_set(files: dict) -> None:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
+        for _, path in tmps:  # what would fail a rename, found before the first one
+            if os.path.isdir(path):
+                raise IsADirectoryError(21, "Is a directory", path)
         for tmp, path in tmps:
             os.replace(tmp, path)
         for folder in {os.path.dirname(os.path.abspath(p)) for _, p in tmps}:

@@ -358,7 +358,7 @@ class _Searcher:
             if ok and not lost:
                 self.study.add_trial(optuna.trial.create_trial(
                     params=params, distributions={k: self.dists[k] for k in params}, values=values,
-                    user_attrs={**attrs, "kvplan.owner": self.owner} if self.persistent else attrs))
+                    user_attrs={**attrs, "kvplan.owner": self.owner}))
             if asked is not None:
                 self._drop(asked, "repaired" if isinstance(asked, optuna.Trial) else "reservation")
         if lost:
@@ -391,8 +391,7 @@ class _Searcher:
         t = quiet_ask(self.study, self.dists)
         self.hb.hold(t._trial_id)
         self.mine.add(t._trial_id)
-        if self.persistent:
-            t.set_user_attr("kvplan.owner", self.owner)
+        t.set_user_attr("kvplan.owner", self.owner)  # provenance: who measured it (and, shared, who holds it)
         return t
 
     def repaired(self, params) -> tuple[np.ndarray, Any]:

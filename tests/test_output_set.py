@@ -1,0 +1,82 @@
+"""The search's outputs are one set: plan, trials.csv and search.json share a run id, are
+written through temporary files renamed only when all are on disk, a killed writer's
+temporary files are removed by the next write, and ``kvplan explain`` refuses to read a
+plan's sidecars from another run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvplan.explain import explain
+from kvplan.plans import Plan
+from kvplan.plans._files import TMP_SUFFIX, write_file_set
+from kvplan.search import search
+from tests.search.synthetic import SyntheticScorer
+
+FAST = dict(budget="3.0", n_trials=6, progress=False, n_candidates=4, n_local=8, profile=False)
+
+
+def _search(out, seed=0):
+    return search(scorer=SyntheticScorer(), out=str(out), seed=seed, **FAST)
+
+
+def test_one_run_id_in_every_file(tmp_path):
+    r = _search(tmp_path / "plan.yaml")
+    run_id = r.plan.metrics["search"]["run_id"]
+    assert Plan.from_yaml(r.paths["plan"]).metrics["search"]["run_id"] == run_id
+    assert json.loads(open(r.paths["search"]).read())["run_id"] == run_id
+    import csv
+
+    rows = list(csv.DictReader(open(r.paths["trials"])))
+    assert len(rows) == 6 and {row["run_id"] for row in rows} == {run_id}
+    assert all(row["host"] for row in rows)  # which machine measured each trial
+    assert sorted(os.listdir(tmp_path)) == ["plan.search.json", "plan.trials.csv", "plan.yaml"]
+
+
+def test_explain_refuses_sidecars_of_another_run(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    _search(a / "plan.yaml", seed=0)
+    _search(b / "plan.yaml", seed=1)
+    # a plan beside the other run's sidecars, as a kill between two renames could leave it
+    for name in ("plan.trials.csv", "plan.search.json"):
+        os.replace(b / name, a / name)
+    text = explain(str(a / "plan.yaml"), importance=False)
+    lines = [ln for ln in text.splitlines() if "another search run" in ln]
+    assert len(lines) == 2, text
+    assert any("plan.trials.csv" in ln for ln in lines) and any("plan.search.json" in ln for ln in lines)
+    # the same files of one run: no such warning
+    c = tmp_path / "c"
+    c.mkdir()
+    _search(c / "plan.yaml", seed=0)
+    assert "another search run" not in explain(str(c / "plan.yaml"), importance=False)
+
+
+def test_stale_temporary_files_are_removed_by_the_next_write(tmp_path):
+    target = tmp_path / "plan.yaml"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs
+    stale = tmp_path / f".plan.yaml.{dead.pid}{TMP_SUFFIX}"
+    stale.write_text("half a plan")
+    old_style = tmp_path / ".tmp-abc123plan.yaml"
+    old_style.write_text("half a plan")
+    os.utime(old_style, (1, 1))
+    live = tmp_path / f".plan.yaml.{os.getppid()}{TMP_SUFFIX}"  # a live process's write in progress
+    live.write_text("being written")
+    write_file_set({target: "new\n"})
+    assert target.read_text() == "new\n"
+    assert not stale.exists() and not old_style.exists()
+    assert live.exists()
+
+
+def test_a_failed_write_leaves_the_old_set_and_no_temporary_file(tmp_path):
+    write_file_set({tmp_path / "x.yaml": "old x\n", tmp_path / "x.json": "old json\n"})
+    os.mkdir(tmp_path / "x.csv")  # a directory where a file must go: the set cannot be written
+    with pytest.raises(OSError):
+        write_file_set({tmp_path / "x.yaml": "new x\n", tmp_path / "x.json": "new json\n",
+                        tmp_path / "x.csv": "rows\n"})
+    assert (tmp_path / "x.yaml").read_text() == "old x\n" and (tmp_path / "x.json").read_text() == "old json\n"
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(TMP_SUFFIX)]
