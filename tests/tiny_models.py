@@ -23,6 +23,20 @@ def tiny_llama(num_layers=2, num_kv_heads=2, head_dim=16, sliding_window=None, m
     return transformers.AutoModelForCausalLM.from_config(cls_cfg(**kwargs)).eval()
 
 
+def tiny_gemma3(num_layers=6, num_kv_heads=2, head_dim=16, sliding_window=16, seed=0):
+    """Tiny random Gemma 3 text model: 5 sliding-window layers : 1 full layer (transformers'
+    default pattern), two RoPE bases (10k local, 1M global), as Gemma-3-270M."""
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=256, hidden_size=num_kv_heads * 2 * head_dim, intermediate_size=64, num_hidden_layers=num_layers,
+        num_attention_heads=num_kv_heads * 2, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        sliding_window=sliding_window, max_position_embeddings=4096, query_pre_attn_scalar=head_dim,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
 def tiny_llava_onevision(seed=0):
     """Tiny LLaVA-OneVision; one 32x32 image (anyres, 2 patches) -> 36 visual tokens."""
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration

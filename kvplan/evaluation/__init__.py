@@ -10,12 +10,13 @@ import os
 import time
 from typing import Any
 
+from ..models.geometry import Geometry
 from ..plans import BASELINES
 from .baselines import (PEER_BACKENDS, evaluate_peer, head_sensitivity, headguard_from_sensitivity, named_plan,
                         parse_peer, tensor_nbytes, top_heads)
 from .harness import (PreparedSample, ProtocolError, Sample, aggregate, bootstrap_ci, bootstrap_ratio,
                       build_plan_cache, cache_stats, evaluate, prepare_sample, prepare_samples, score_cache)
-from .sweep import SWEEP_BITS, condition_plan, format_ratios, format_table, sweep_prepared, write_sweep
+from .sweep import SWEEP_BITS, condition_plan, format_layers, format_ratios, format_table, sweep_prepared, write_sweep
 from .tasks import (SPLITS, TaskError, default_task_samples, doc_split_topics, pad_token_id, read_jsonl,
                     split_records, task_samples, user_task_samples)
 
@@ -171,11 +172,13 @@ def _run_sweep(model, samples, out_dir, task, split, bits, seed, history_tokens,
     meta = {"model": model if isinstance(model, str) else "<object>", "task": task, "split": split,
             "samples": len(ss), "seed": seed, "history_tokens": history_tokens, "eval_tokens": eval_tokens,
             "group_size": group_size, "residual_length": 0, "dtype": dtype, "modalities": list(mods),
+            "layer_types": list(Geometry.of(m).layer_types), "sliding_window": Geometry.of(m).sliding_window,
             "seconds": res["seconds"], "title": f"{model if isinstance(model, str) else 'model'}: "
                                                 f"{len(ss)} samples, {history_tokens}-token history"}
     res["paths"] = write_sweep(res, os.fspath(out_dir), meta)
     res["meta"] = meta
     if verbose:
+        print(format_layers(Geometry.of(m)))
         print(format_table(res["rows"]))
         print()
         print(format_ratios(res["ratios"]))

@@ -216,7 +216,10 @@ def prepare_sample(model, sample: Sample, pad_id: int = 0, attention: str = "aut
     inputs = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in sample.prefill_inputs.items()}
     if "pixel_values" in inputs and torch.is_floating_point(inputs["pixel_values"]):
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
-    cache = DynamicCache(config=model.config)
+    # a cache of full layers only: it keeps every history token of sliding-window layers too (the
+    # prefill's outputs are the same, the model's masks apply the windows), so each plan's cache can
+    # be written the whole history, as a deployed prefill writes it
+    cache = DynamicCache()
     rope = _rope_owner(model)
     if rope is not None:
         rope.rope_deltas = None
@@ -226,8 +229,7 @@ def prepare_sample(model, sample: Sample, pad_id: int = 0, attention: str = "aut
     for i in range(_num_layers(model)):
         layer = cache.layers[i]
         if layer.keys.shape[-2] != T:
-            raise ProtocolError(f"layer {i} of the FP prefill holds {layer.keys.shape[-2]} tokens, expected {T} "
-                                "(sliding-window caches are not supported by the protocol)")
+            raise ProtocolError(f"layer {i} of the FP prefill holds {layer.keys.shape[-2]} tokens, expected {T}")
         kv.append((layer.keys.detach().clone(), layer.values.detach().clone()))
     rows, lengths = _rows(sample, pad_id)
     R, L = rows.shape
@@ -247,11 +249,18 @@ def prepare_sample(model, sample: Sample, pad_id: int = 0, attention: str = "aut
 
 
 def _fp_cache(model, prepared: PreparedSample):
+    """The model's own full-precision cache holding the history: ``DynamicCache`` built from the
+    config, so sliding-window layers keep only their window, as in a plain ``generate``."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     for i, (k, v) in enumerate(prepared.kv):
-        cache.layers[i].update(k.clone(), v.clone())
+        layer = cache.layers[i]
+        if prepared.sample.options and hasattr(layer, "activate_past_recording"):
+            # the continuation is cropped off again before the multiple-choice rows; a sliding layer
+            # past its window can only be cropped when it records the past (reads are unchanged)
+            layer.activate_past_recording()
+        layer.update(k.clone(), v.clone())
     return cache
 
 

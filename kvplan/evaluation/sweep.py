@@ -129,6 +129,18 @@ def plot_sweep(rows: Sequence[dict], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
+def format_layers(geometry: Geometry) -> str:
+    """One line naming each layer's type: every sweep condition sets the bits of all layers, and a
+    sliding-window layer quantizes (and keeps) only the history its window still needs."""
+    types = geometry.layer_types
+    if "sliding" not in types:
+        return f"layers: {len(types)} full-attention"
+    def names(t):
+        return " ".join(f"L{i:02d}" for i, x in enumerate(types) if x == t)
+    return (f"layers: {types.count('sliding')} sliding-window (window {geometry.sliding_window}): {names('sliding')}; "
+            f"{types.count('full')} full: {names('full') or '-'}")
+
+
 def format_table(rows: Sequence[dict]) -> str:
     head = ("| condition | bits | modality | kind | KL mean [95% CI] | ΔNLL [95% CI] | top-1 | acc (FP) "
             "| quantized tok/sample | bpv | bpv (real bytes) |")

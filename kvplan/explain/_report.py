@@ -12,6 +12,7 @@ import numpy as np
 
 from ..errors import KVPlanError
 from ..plans import KINDS, Plan, layout_labels, plan_bytes, split_codes, uniform_plan
+from ..plans.accounting import stored_tokens
 from ._sidecars import QUANTIZER_COLUMNS, TrialHistory, match_run, number, read_search, read_trials, show
 
 CONTEXT_LENGTHS = (300, 1000, 1024, 4096, 32768, 131072)  # include lengths between group boundaries
@@ -60,8 +61,18 @@ def cache_bytes(plan: Plan, context_len: int, modality_mix, batch: int = 1) -> i
 
 
 def _n_values(plan: Plan, context_len: int) -> int:
+    """Values the runtime cache holds (sliding-window layers: their kept window)."""
     g = plan.geometry
-    return g.num_layers * g.num_kv_heads * 2 * context_len * g.head_dim
+    return g.num_kv_heads * 2 * g.head_dim * stored_tokens(g, context_len, plan.quantizer.group_size)
+
+
+def _fp_cache_values(plan: Plan, context_len: int) -> int:
+    """Values the model's own cache (``DynamicCache``) holds: sliding-window layers keep the newest
+    ``window - 1`` tokens."""
+    g = plan.geometry
+    tokens = sum(context_len if g.window(i) is None else min(context_len, g.window(i) - 1)
+                 for i in range(g.num_layers))
+    return g.num_kv_heads * 2 * g.head_dim * tokens
 
 
 def memory_rows(plan: Plan, context_lengths, batch_sizes) -> list[dict[str, Any]]:
@@ -72,7 +83,7 @@ def memory_rows(plan: Plan, context_lengths, batch_sizes) -> list[dict[str, Any]
     for T in context_lengths:
         one = cache_bytes(plan, T, mix, 1)
         for B in batch_sizes:
-            fp = _n_values(plan, T) * B * fpb // 8
+            fp = _fp_cache_values(plan, T) * B * fpb // 8
             rows.append({"context_len": T, "batch": B, "bpv": 8 * one / _n_values(plan, T), "bytes": one * B,
                          "gib": one * B / GIB, "fp16_bytes": fp, "fp16_gib": fp / GIB,
                          "saved_fraction": 1 - one * B / fp})
@@ -138,8 +149,8 @@ def allocation(plan: Plan) -> dict[str, Any]:
         "mean_bits": {kind: float(table[:, :, k].mean()) for k, kind in enumerate(KINDS)},
         "per_modality": {m: {kind: float(table[:, :, k, i].mean()) for k, kind in enumerate(KINDS)}
                          for i, m in enumerate(mods)},
-        "per_layer": [{"layer": l, "k": float(table[l, :, 0].mean()), "v": float(table[l, :, 1].mean())}
-                      for l in range(g.num_layers)],
+        "per_layer": [{"layer": l, "type": g.layer_types[l], "k": float(table[l, :, 0].mean()),
+                       "v": float(table[l, :, 1].mean())} for l in range(g.num_layers)],
         "histogram": {kind: {str(int(b)): int((table[:, :, k] == b).sum()) for b in np.unique(table)}
                       for k, kind in enumerate(KINDS)},
         "median_bits": med,
@@ -264,7 +275,8 @@ def report(plan_path, importance: bool = True, seed: int = 0, context_lengths: S
     warnings: list[str] = []
     rep: dict[str, Any] = {"plan": plan_path, "name": plan.name, "missing": [], "warnings": warnings}
     rep["model"] = {"model_type": g.model_type, "num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads,
-                    "head_dim": g.head_dim, "layer_types": list(g.layer_types), "fingerprint": g.fingerprint}
+                    "head_dim": g.head_dim, "layer_types": list(g.layer_types), "sliding_window": g.sliding_window,
+                    "fingerprint": g.fingerprint}
     rep["modalities"] = mods
     rep["quantizer"] = dataclasses.asdict(plan.quantizer)
     rep["provenance"] = dataclasses.asdict(plan.provenance)

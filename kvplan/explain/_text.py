@@ -49,6 +49,10 @@ def _header(rep: dict, L: list[str]) -> None:
     L.append(f"kvplan plan: {rep['plan']}" + (f"  ({rep['name']})" if rep.get("name") else ""))
     L.append(f"model: {m['model_type']}, {m['num_layers']} layers x {m['num_kv_heads']} KV heads x head_dim "
              f"{m['head_dim']}  [{m['fingerprint']}]")
+    if "sliding" in m.get("layer_types", ()):
+        n = m["layer_types"].count("sliding")
+        L.append(f"layer types: {n} sliding-window (window {m.get('sliding_window') or 'not recorded'}; they store "
+                 f"only the tokens it needs), {len(m['layer_types']) - n} full")
     p = rep.get("provenance") or {}
     L.append("provenance: " + ", ".join(f"{k} {v}" for k, v in p.items() if v is not None))
     q = rep["quantizer"]
@@ -113,10 +117,12 @@ def _allocation(rep: dict, L: list[str]) -> None:
     if len(a["per_modality"]) > 1:
         for mname, d in a["per_modality"].items():
             L.append(f"  modality {mname}: K {d['k']:.2f}, V {d['v']:.2f} bits")
-    L.append("  per layer (mean K / V bits):")
+    hybrid = any(r.get("type") == "sliding" for r in a["per_layer"])
+    L.append("  per layer (mean K / V bits" + (", S = sliding-window layer, F = full):" if hybrid else "):"))
     row = []
     for r in a["per_layer"]:
-        row.append(f"L{r['layer']:02d} {r['k']:.1f}/{r['v']:.1f}")
+        tag = ("S " if r.get("type") == "sliding" else "F ") if hybrid else ""
+        row.append(f"L{r['layer']:02d} {tag}{r['k']:.1f}/{r['v']:.1f}")
         if len(row) == 6:
             L.append("    " + "  ".join(row))
             row = []

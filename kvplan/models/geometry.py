@@ -1,4 +1,4 @@
-"""Model geometry: what a plan must match (layers, KV heads, head_dim, layer types)."""
+"""Model geometry: what a plan must match (layers, KV heads, head_dim, layer types, window)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,27 @@ import json
 from dataclasses import dataclass
 
 LAYER_TYPES = ("full", "sliding")
+MAX_SLIDING_WINDOW = 2 ** 24
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """KV-cache geometry of a decoder: cache per layer is ``[B, num_kv_heads, T, head_dim]``."""
+    """KV-cache geometry of a decoder: cache per layer is ``[B, num_kv_heads, T, head_dim]``.
+
+    ``layer_types[i]`` is ``"full"`` (attends over the whole history) or ``"sliding"`` (a
+    sliding-window layer, or a chunked-attention one: from the cache's point of view both
+    need only the newest ``sliding_window - 1`` past tokens, as transformers'
+    ``DynamicSlidingWindowLayer`` keeps them). ``sliding_window`` is ``None`` when no layer
+    slides; a geometry with sliding layers and no window (plan files written before windows
+    were recorded) keeps every token of those layers.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     layer_types: tuple[str, ...]
     model_type: str
+    sliding_window: int | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -32,14 +42,25 @@ class Geometry:
         for i, t in enumerate(self.layer_types):
             if t not in LAYER_TYPES:
                 raise ValueError(f"geometry.layer_types[{i}] = {t!r}; expected one of {LAYER_TYPES}")
+        w = self.sliding_window
+        if w is not None:
+            if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= MAX_SLIDING_WINDOW:
+                raise ValueError(f"geometry.sliding_window must be an integer in 1 .. {MAX_SLIDING_WINDOW} or None, "
+                                 f"got {w!r}")
+            if "sliding" not in self.layer_types:
+                raise ValueError(f"geometry.sliding_window is {w} but no layer is 'sliding'")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (``None``: the layer keeps its whole history)."""
+        return self.sliding_window if self.layer_types[layer] == "sliding" else None
 
     @property
     def fingerprint(self) -> str:
         """Stable hash of the geometry; a plan records it and is refused by other models."""
-        blob = json.dumps(
-            [self.model_type, self.num_layers, self.num_kv_heads, self.head_dim, list(self.layer_types)],
-            separators=(",", ":"),
-        )
+        fields = [self.model_type, self.num_layers, self.num_kv_heads, self.head_dim, list(self.layer_types)]
+        if self.sliding_window is not None:  # absent: the hash of geometries without a window is unchanged
+            fields.append(self.sliding_window)
+        blob = json.dumps(fields, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @classmethod
@@ -62,7 +83,16 @@ class Geometry:
                 types.append("sliding")
             else:
                 raise ValueError(f"layer {i} has attention type {t!r}, which kvplan does not support")
-        return cls(n_layers, n_kv, head_dim, tuple(types), getattr(config, "model_type", "unknown"))
+        window = None
+        if "sliding" in types:
+            # transformers' DynamicCache sizes sliding layers by sliding_window, chunked ones by attention_chunk_size
+            chunked = "chunked_attention" in raw_types
+            if chunked and "sliding_attention" in raw_types:
+                raise ValueError("a model mixing sliding-window and chunked-attention layers is not supported")
+            window = getattr(text, "attention_chunk_size" if chunked else "sliding_window", None)
+            if window is not None:
+                window = int(window)
+        return cls(n_layers, n_kv, head_dim, tuple(types), getattr(config, "model_type", "unknown"), window)
 
     @classmethod
     def of(cls, model_or_geometry) -> "Geometry":

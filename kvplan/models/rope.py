@@ -5,25 +5,50 @@ from __future__ import annotations
 from .geometry import Geometry
 
 _VISION_WORDS = ("visual", "vision", "image")
+# transformers' layer type prefixes of per-type rotary buffers (Gemma 3: "sliding_attention_inv_freq")
+_TYPE_PREFIXES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "sliding"}
 
 
-def rope_inv_freq(model) -> tuple[float, ...] | None:
+def rope_inv_freq(model) -> tuple[float, ...] | dict[str, tuple[float, ...]] | None:
     """``inv_freq`` of the text decoder's rotary embedding (``[d/2]``, ``d <= head_dim``), or
     ``None`` when the model has none (no RoPE, or not a loaded transformers model).
 
     Taken from the module that computes it (``...rotary_emb.inv_freq``), so RoPE scaling
     variants that rewrite the frequencies (llama3, yarn, ...) come out as the model uses them.
-    Vision-tower rotary embeddings are skipped.
+    Vision-tower rotary embeddings are skipped. A model with one rotary buffer per layer type
+    (Gemma 3: ``full_attention_inv_freq`` and ``sliding_attention_inv_freq``, two RoPE bases)
+    gives a dict from kvplan's layer types (``"full"``, ``"sliding"``) to their frequencies
+    when they differ, one tuple when they agree; ``None`` when a layer type of the model has
+    no frequencies (keys of such layers cannot be rotated back).
     """
     if not hasattr(model, "named_buffers"):
         return None
-    head_dim = Geometry.of(model).head_dim
+    geometry = Geometry.of(model)
+    head_dim = geometry.head_dim
+    single = None
+    per_type: dict[str, tuple[float, ...]] = {}
     for name, buf in model.named_buffers():
-        if not name.endswith("inv_freq") or any(w in name.lower() for w in _VISION_WORDS):
+        leaf = name.rsplit(".", 1)[-1]
+        if not leaf.endswith("inv_freq") or "original" in leaf or any(w in name.lower() for w in _VISION_WORDS):
             continue
-        if buf.dim() == 1 and 1 <= buf.numel() <= head_dim // 2:
-            return tuple(float(f) for f in buf.float().cpu())
-    return None
+        if not (buf.dim() == 1 and 1 <= buf.numel() <= head_dim // 2):
+            continue
+        freqs = tuple(float(f) for f in buf.float().cpu())
+        prefix = leaf[: -len("inv_freq")].rstrip("_")
+        if not prefix:
+            if single is None:
+                single = freqs
+        elif prefix in _TYPE_PREFIXES:
+            per_type.setdefault(_TYPE_PREFIXES[prefix], freqs)
+    if not per_type:
+        return single
+    types = sorted(set(geometry.layer_types))
+    if any(t not in per_type for t in types):
+        return None
+    values = {t: per_type[t] for t in types}
+    if len(set(values.values())) == 1:
+        return values[types[0]]
+    return values
 
 
 def multimodal_rope(model) -> bool:

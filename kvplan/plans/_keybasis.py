@@ -23,7 +23,7 @@ class KeyBasis:
     """
 
     def __init__(self, basis):
-        a = np.asarray(basis, dtype=np.float16)
+        a = np.asarray(basis.array if isinstance(basis, KeyBasis) else basis, dtype=np.float16)
         if a.ndim != 4:
             raise PlanError("key_basis.shape", "must be [num_layers, num_kv_heads, head_dim, rank]", list(a.shape))
         if not np.isfinite(a).all():

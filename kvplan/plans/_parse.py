@@ -13,11 +13,12 @@ from typing import Mapping
 from .._version import __version__
 from ..errors import PlanError
 from ..kernels.qtypes import SUPPORTED_BITS
-from ..models.geometry import LAYER_TYPES, Geometry
+from ..models.geometry import LAYER_TYPES, MAX_SLIDING_WINDOW, Geometry
 from ._checks import (DEFAULT_MODALITY, KINDS, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS, SCHEMA_VERSION,
                       check_choice, check_int, check_keys, check_list, check_str, is_int, is_num)
 from ._fields import BitRule, Provenance, QuantizerSettings, Reference, check_correction_rank
 from ._keybasis import KeyBasis
+from ._rope import parse_rope_inv_freq
 
 _TOP = ["name", "modalities", "quantizer", "budget", "provenance", "metrics", "key_basis", "rope_inv_freq"]
 _QUANTIZER = ["group_size", "key_axis", "value_axis", "residual_length", "sink_length", "key_correction_rank",
@@ -54,7 +55,7 @@ def plan_fields(d) -> dict:
     return dict(geometry=geometry, modalities=tuple(modalities), quantizer=quantizer, default_bits=default,
                 rules=rules, target_bpv=budget.get("target_bpv"), reference=_reference(budget.get("reference", {})),
                 provenance=_provenance(d.get("provenance", {})), metrics=d.get("metrics", {}), name=name, key_basis=key_basis,
-                rope_inv_freq=_rope_inv_freq(d["rope_inv_freq"]) if "rope_inv_freq" in d else None)
+                rope_inv_freq=parse_rope_inv_freq(d["rope_inv_freq"]) if "rope_inv_freq" in d else None)
 
 
 def check_stated_bpv(plan, stated) -> None:
@@ -83,7 +84,8 @@ def _schema_version(ver) -> None:
 
 
 def _geometry(m) -> Geometry:
-    check_keys(m, "model", ["model_type", "num_layers", "num_kv_heads", "head_dim", "layer_types"], ["fingerprint"])
+    check_keys(m, "model", ["model_type", "num_layers", "num_kv_heads", "head_dim", "layer_types"],
+               ["sliding_window", "fingerprint"])
     n_layers = check_int(m["num_layers"], "model.num_layers", 1, MAX_LAYERS)
     n_kv = check_int(m["num_kv_heads"], "model.num_kv_heads", 1, MAX_KV_HEADS)
     hd = check_int(m["head_dim"], "model.head_dim", 1, MAX_HEAD_DIM)
@@ -98,7 +100,12 @@ def _geometry(m) -> Geometry:
             check_choice(t, f"model.layer_types[{i}]", LAYER_TYPES)
     else:
         raise PlanError("model.layer_types", "must be 'full', 'sliding' or a list of them", lt)
-    geometry = Geometry(n_layers, n_kv, hd, tuple(lt), check_str(m["model_type"], "model.model_type"))
+    window = None
+    if "sliding_window" in m:
+        window = check_int(m["sliding_window"], "model.sliding_window", 1, MAX_SLIDING_WINDOW)
+        if "sliding" not in lt:
+            raise PlanError("model.sliding_window", "given but no layer type is 'sliding'", window)
+    geometry = Geometry(n_layers, n_kv, hd, tuple(lt), check_str(m["model_type"], "model.model_type"), window)
     if "fingerprint" in m and m["fingerprint"] != geometry.fingerprint:
         raise PlanError("model.fingerprint",
                         f"does not match the model fields above ({geometry.fingerprint}); the plan was edited "
@@ -147,10 +154,3 @@ def _provenance(prov) -> Provenance:
     return Provenance(kvplan_version=prov.get("kvplan_version", __version__),
                       produced_by=prov.get("produced_by", "manual"), seed=prov.get("seed"),
                       data_hash=prov.get("data_hash"))
-
-
-def _rope_inv_freq(v) -> tuple:
-    """The YAML list as it is (its entries are checked with the rest of the plan)."""
-    if not isinstance(v, list) or not v:
-        raise PlanError("rope_inv_freq", "must be a non-empty list of numbers", v)
-    return tuple(v)

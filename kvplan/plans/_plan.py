@@ -29,6 +29,7 @@ from ._fields import BitRule, Provenance, QuantizerSettings, Reference, check_co
 from ._files import atomic_write_text, check_size, decode_plan_bytes, read_plan_bytes
 from ._keybasis import KeyBasis
 from ._parse import check_stated_bpv, plan_fields
+from ._rope import as_floats, check_rope_inv_freq, layer_rope_inv_freq, normalize_rope_inv_freq, rope_to_yaml
 from ._yaml import dump_plan_yaml, parse_plan_yaml
 
 
@@ -51,19 +52,23 @@ class Plan:
     metrics: Mapping[str, Any] = field(default_factory=dict)
     name: str | None = None
     key_basis: KeyBasis | None = None  # required when quantizer.key_correction_rank > 0
-    # the model's RoPE inverse frequencies [d/2], d <= head_dim; required when quantizer.key_pre_rope
-    rope_inv_freq: tuple[float, ...] | None = None
+    # the model's RoPE inverse frequencies [d/2], d <= head_dim; required when quantizer.key_pre_rope;
+    # one tuple for every layer, or a dict layer type -> tuple (several RoPE bases, see _rope)
+    rope_inv_freq: tuple[float, ...] | Mapping[str, tuple[float, ...]] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "modalities", tuple(self.modalities))
-        if self.rope_inv_freq is not None:
-            object.__setattr__(self, "rope_inv_freq", tuple(self.rope_inv_freq))
+        object.__setattr__(self, "rope_inv_freq", normalize_rope_inv_freq(self.rope_inv_freq))
         object.__setattr__(self, "rules", tuple(self.rules))
         if self.key_basis is not None and not isinstance(self.key_basis, KeyBasis):
             object.__setattr__(self, "key_basis", KeyBasis(self.key_basis))
         _validate_semantics(self)
         if self.rope_inv_freq is not None:  # numbers, checked above
-            object.__setattr__(self, "rope_inv_freq", tuple(float(f) for f in self.rope_inv_freq))
+            object.__setattr__(self, "rope_inv_freq", as_floats(self.rope_inv_freq))
+
+    def layer_inv_freq(self, layer: int) -> tuple[float, ...] | None:
+        """RoPE inverse frequencies of ``layer``'s keys (``None``: the plan carries none)."""
+        return layer_rope_inv_freq(self.rope_inv_freq, self.geometry, layer)
 
     # ------------------------------------------------------------------ resolution
     def code_table(self) -> np.ndarray:
@@ -125,8 +130,10 @@ class Plan:
     def check_geometry(self, geometry: Geometry, source: str | None = None) -> None:
         """Raise :class:`PlanError` unless this plan was made for ``geometry``."""
         mine = self.geometry
-        for name in ("model_type", "num_layers", "num_kv_heads", "head_dim", "layer_types"):
+        for name in ("model_type", "num_layers", "num_kv_heads", "head_dim", "layer_types", "sliding_window"):
             a, b = getattr(mine, name), getattr(geometry, name)
+            if name == "sliding_window" and a is None:  # a plan file from before windows were recorded
+                continue
             if a != b:
                 raise PlanError(f"model.{name}", f"plan was made for {a!r} but the model has {b!r}",
                                 show_value=False, source=source)
@@ -151,6 +158,7 @@ class Plan:
                 "num_kv_heads": g.num_kv_heads,
                 "head_dim": g.head_dim,
                 "layer_types": lt,
+                **({"sliding_window": g.sliding_window} if g.sliding_window is not None else {}),
                 "fingerprint": g.fingerprint,
             },
             "modalities": list(self.modalities),
@@ -187,7 +195,7 @@ class Plan:
         if self.name is None:
             del d["name"]
         if self.rope_inv_freq is not None:
-            d["rope_inv_freq"] = list(self.rope_inv_freq)
+            d["rope_inv_freq"] = rope_to_yaml(self.rope_inv_freq)
         if self.key_basis is not None:
             d["key_basis"] = self.key_basis.to_dict()
         return d
@@ -359,14 +367,6 @@ def _validate_semantics(p: Plan) -> None:
     if p.rope_inv_freq is not None:
         if not p.quantizer.key_pre_rope:
             raise PlanError("rope_inv_freq", "given but quantizer.key_pre_rope is false", show_value=False)
-        n = len(p.rope_inv_freq)
-        if not 1 <= n <= g.head_dim // 2:
-            raise PlanError("rope_inv_freq", f"has {n} entries; must have 1 .. head_dim / 2 = {g.head_dim // 2}",
-                            show_value=False)
-        for i, f in enumerate(p.rope_inv_freq):
-            if not is_num(f):
-                raise PlanError(f"rope_inv_freq[{i}]", "must be a number (finite)", f)
-            if not f > 0:
-                raise PlanError(f"rope_inv_freq[{i}]", "must be a positive number", f)
+        check_rope_inv_freq(p.rope_inv_freq, g)
 
 

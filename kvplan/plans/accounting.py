@@ -17,6 +17,12 @@ Key correction (``quantizer.key_correction_rank = r > 0``): a key run of a corre
 also stores its correction code, ``r`` values per token quantized like channel-axis keys
 (``key_correction_bits``, the keys' token groups, fp16 scale and zero per group and
 component): counted as ``correction``.
+
+Sliding-window layers (``geometry.layer_types[i] == "sliding"`` with ``geometry.sliding_window
+= W``): the model attends to the newest ``W - 1`` past tokens only, so after ``T`` tokens such a
+layer frees every whole aligned group of ``G`` positions that ends before ``T - (W - 1)``
+(:func:`sliding_kept_start`), committed or still in the residual, and stores and counts only
+what is left: its bytes and its values (the bpv denominator) are those of the kept tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +39,28 @@ def committed_length(total: int, residual_length: int, group_size: int) -> int:
     if total < residual_length + group_size:
         return 0
     return group_size * ((total - residual_length) // group_size)
+
+
+def sliding_kept_start(total: int, window: int | None, group_size: int) -> int:
+    """First position a sliding-window layer still stores once ``total`` tokens were written.
+
+    The model's attention needs the newest ``window - 1`` past tokens (what transformers'
+    ``DynamicSlidingWindowLayer`` keeps); the cache frees whole aligned groups of ``group_size``
+    tokens that lie entirely before them, committed or not. ``window=None`` (a full layer): 0.
+    """
+    if window is None or total - (window - 1) <= 0:
+        return 0
+    return group_size * ((total - (window - 1)) // group_size)
+
+
+def _clip_runs(runs, start: int):
+    """Stored runs ``(label, start, length, is_sink)`` restricted to positions ``>= start``."""
+    out = []
+    for lab, s, length, sink in runs:
+        if s + length > start:
+            cut = max(start - s, 0)
+            out.append((lab, s + cut, length - cut, sink))
+    return out
 
 
 def label_runs(labels: Sequence, start: int = 0, end: int | None = None) -> list[tuple[object, int, int]]:
@@ -166,9 +194,13 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
     unknown = sorted({lab for lab, _, _ in committed} - set(plan.modalities))
     if unknown:
         raise ValueError(f"labels {unknown} are not modalities of the plan {list(plan.modalities)}")
-    payload = scales = correction = 0
-    runs = _split_at_sink(committed, 0, q.sink_length)
+    payload = scales = correction = residual_tokens = 0
+    all_runs = _split_at_sink(committed, 0, q.sink_length)
     for layer in range(geometry.num_layers):
+        # a sliding-window layer stores only from its kept start on (see sliding_kept_start)
+        kept = sliding_kept_start(T, geometry.window(layer), q.group_size)
+        runs = _clip_runs(all_runs, kept) if kept else all_runs
+        residual_tokens += T - max(C, kept)
         for head in range(geometry.num_kv_heads):
             for k, kind in enumerate(("k", "v")):
                 axis = q.axis(kind)
@@ -179,7 +211,7 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
                     scales += s
                     if not sink and corrected[layer, head, k, plan.modalities.index(lab)]:
                         correction += correction_bytes(q, start, length)
-    residual = (T - C) * geometry.head_dim * fp_bytes * geometry.num_kv_heads * 2 * geometry.num_layers
+    residual = residual_tokens * geometry.head_dim * fp_bytes * geometry.num_kv_heads * 2
     return {"payload": payload * batch_size, "scales_zeros": scales * batch_size,
             "correction": correction * batch_size, "residual": residual * batch_size}
 
@@ -197,6 +229,13 @@ def plan_bpv(plan, geometry, context_len: int, modality_mix, full_precision_bits
     C = committed_length(T, q.residual_length, q.group_size)
     committed = [(lab, start, min(length, C - start)) for lab, start, length in runs if start < C]
     parts = _runs_bytes(plan, geometry, T, committed, 1, full_precision_bits // 8)
-    n_values = geometry.num_layers * geometry.num_kv_heads * 2 * context_len * geometry.head_dim
+    n_values = geometry.num_kv_heads * 2 * geometry.head_dim * stored_tokens(geometry, context_len, q.group_size)
     return BpvBreakdown(8 * sum(parts.values()) / n_values,
                         *(8 * parts[k] / n_values for k in ("payload", "scales_zeros", "residual", "correction")))
+
+def stored_tokens(geometry, total: int, group_size: int) -> int:
+    """Tokens the runtime holds summed over layers after ``total`` tokens (per KV head and kind):
+    ``total`` per full layer, ``total - sliding_kept_start(...)`` per sliding-window layer. The
+    values a sliding layer has freed are neither stored nor counted in its bits per value."""
+    return sum(total - sliding_kept_start(total, geometry.window(layer), group_size)
+               for layer in range(geometry.num_layers))

@@ -9,6 +9,10 @@ its modality, fixed at the time it entered the cache.
 Tokens committed during an ``update`` are returned to that forward pass at full
 precision (their first use, e.g. prefill attention); every later read sees them
 dequantized.
+
+Sliding-window layers (Gemma 3, Mistral, ...) free the whole token groups that fell out of
+their window (see :class:`KVPlanLayer`), so their bytes follow what the model can still attend
+to; the attention mask gets the kept range from ``get_mask_sizes``.
 """
 
 from __future__ import annotations
@@ -24,32 +28,43 @@ from ..models.geometry import Geometry
 from ..kernels import FULL_PRECISION_BITS
 from ..kernels.rotation import Rotation, hadamard_matrix
 from ..plans import KINDS, Plan, committed_length, split_codes, stored_runs
+from ..plans.accounting import sliding_kept_start
 from .fused import MAX_FUSED_QUERY, mark_pending
 from .storage import PackedBlock, Segment
 
 TEXT = "text"
 
 
-def plan_rotations(plan: Plan, device) -> dict[str, Rotation | None]:
-    """The write/read rotation of quantized Keys and Values under ``plan`` (``None``: none)."""
+def plan_rotations(plan: Plan, device, layer: int = 0) -> dict[str, Rotation | None]:
+    """The write/read rotation of quantized Keys and Values of ``layer`` under ``plan`` (``None``:
+    none); pre-RoPE keys use that layer's RoPE frequencies (hybrid models have several bases)."""
     q = plan.quantizer
     H = hadamard_matrix(plan.geometry.head_dim, device) if q.rotation == "hadamard" else None
-    inv_freq = (torch.tensor(plan.rope_inv_freq, dtype=torch.float32, device=device) if q.key_pre_rope else None)
+    inv_freq = (torch.tensor(plan.layer_inv_freq(layer), dtype=torch.float32, device=device) if q.key_pre_rope
+                else None)
     return {"k": None if H is None and inv_freq is None else Rotation(H, inv_freq),
             "v": None if H is None else Rotation(H)}
 
 
 class KVPlanLayer(CacheLayerMixin):
-    """One decoder layer of a :class:`KVPlanCache`."""
+    """One decoder layer of a :class:`KVPlanCache`.
+
+    A sliding-window layer (``window`` set) stores positions ``[dropped, T)`` only: after each
+    commit it frees the whole aligned groups that lie before the newest ``window - 1`` tokens
+    (``plans.accounting.sliding_kept_start``), committed or not; reads, the mask sizes and the
+    byte and value counts cover what it keeps. Full layers have ``dropped == 0``.
+    """
 
     is_compileable = False
-    is_sliding = False  # sliding layers keep their whole history; the attention mask applies the window
 
     def __init__(self, owner: "KVPlanCache", layer_idx: int):
         super().__init__()
         self.owner = owner
         self.layer_idx = layer_idx
         plan = owner.plan
+        self.window = plan.geometry.window(layer_idx)  # None: keeps its whole history
+        self.is_sliding = plan.geometry.layer_types[layer_idx] == "sliding"
+        self.dropped = 0  # positions before it are freed (sliding-window layers)
         table = plan.code_table()[layer_idx]  # [H_kv, 2, M] format codes (bits, + CORRECTED if corrected)
         # kind -> modality -> [(code, heads)] head groups sharing a quantizer setting
         self.head_groups: dict[str, dict[str, list[tuple[int, tuple[int, ...]]]]] = {}
@@ -84,7 +99,7 @@ class KVPlanLayer(CacheLayerMixin):
         # key correction basis of this layer: fp32 [H_kv, D, r] on the cache's device
         self.key_basis = (None if basis is None else
                           torch.from_numpy(basis.array[self.layer_idx].astype("float32")).to(self.device))
-        self.rotation = plan_rotations(self.owner.plan, self.device)
+        self.rotation = plan_rotations(self.owner.plan, self.device, self.layer_idx)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -103,18 +118,21 @@ class KVPlanLayer(CacheLayerMixin):
         elif bool(nonfinite):
             self._raise_nonfinite(key_states, value_states, "new token")
         fused = self.owner.attention_kernel is not None and t_new <= MAX_FUSED_QUERY
+        # decided on the state get_mask_sizes saw (the pending commit below frees nothing either)
+        packed = fused and self.committed > 0
         if fused:
-            self._commit()  # a commit left pending by the previous step's attention call, if any
+            self._commit(free=False)  # a commit left pending by the previous step's attention call, if any
         start = self.get_seq_length()
         self.residual_labels.extend(self.owner.labels_for(start, t_new))
         self.residual["k"] = torch.cat([self.residual["k"], key_states.to(self.dtype)], dim=-2)
         self.residual["v"] = torch.cat([self.residual["v"], value_states.to(self.dtype)], dim=-2)
-        if fused and self.committed > 0:
+        if packed:
             # the fused attention reads the packed segments itself and commits afterwards
             mark_pending(self.residual["k"], self)
             return self.residual["k"], self.residual["v"]
-        keys = self._read("k")
-        values = self._read("v")
+        first = self._visible_start(start)  # what get_mask_sizes told the mask (``start`` tokens before)
+        keys = self._read("k", first)
+        values = self._read("v", first)
         self._commit()
         return keys, values
 
@@ -131,7 +149,22 @@ class KVPlanLayer(CacheLayerMixin):
                 )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        """``(kv_length, kv_offset)`` of the keys ``update`` hands to attention: the fused kernels read
+        every kept position ``[dropped, T)``; the dequantize route gets what the model's own
+        ``DynamicSlidingWindowLayer`` returns (the newest ``window - 1`` past positions), so an
+        all-16-bit plan attends over bit-identical tensors. Plus the new tokens."""
+        T = self.get_seq_length()
+        packed = (self.owner.attention_kernel is not None and query_length <= MAX_FUSED_QUERY
+                  and self.committed > 0)
+        first = self.dropped if packed else self._visible_start(T)
+        return T - first + query_length, first
+
+    def _visible_start(self, total: int) -> int:
+        """First position the attention of the next tokens needs after ``total`` tokens (0 for a
+        full layer; a sliding layer's newest ``window - 1``, never before what it keeps)."""
+        if self.window is None:
+            return self.dropped
+        return max(self.dropped, total - (self.window - 1))
 
     def get_seq_length(self) -> int:
         if not self.is_initialized:
@@ -146,6 +179,7 @@ class KVPlanLayer(CacheLayerMixin):
         self.residual = {"k": None, "v": None}
         self.residual_labels = []
         self.committed = 0
+        self.dropped = 0
         self._nonfinite = None
         self.is_initialized = False
 
@@ -190,8 +224,9 @@ class KVPlanLayer(CacheLayerMixin):
             self._map_batch(lambda t: t.to(self.device, non_blocking=True))
 
     # ------------------------------------------------------------------ storage
-    def _read(self, kind: str) -> torch.Tensor:
-        """Dequantized committed tokens followed by the residual: ``[B, H_kv, T, D]``.
+    def _read(self, kind: str, first: int | None = None) -> torch.Tensor:
+        """Dequantized committed tokens followed by the residual, from position ``first`` on
+        (default: every kept position): ``[B, H_kv, T - first, D]``.
 
         Hot path of every step on the dequantize-then-attend route: one output tensor is
         allocated and every packed block is dequantized straight into its token range and
@@ -200,20 +235,23 @@ class KVPlanLayer(CacheLayerMixin):
         """
         segs = self.segments[kind]
         res = self.residual[kind]
-        if not segs:
-            return res
+        base = self.dropped  # out[:, :, i] is position base + i
+        first = base if first is None else first
+        if not segs or first >= self.committed:  # residual only
+            return res if first <= self.committed else res[:, :, first - self.committed :].contiguous()
         B, H, n_res, D = res.shape
-        out = torch.empty(B, H, self.committed + n_res, D, dtype=self.dtype, device=res.device)
+        out = torch.empty(B, H, self.committed - base + n_res, D, dtype=self.dtype, device=res.device)
         for seg in segs:
-            rows = out[:, :, seg.start : seg.start + seg.length]
+            rows = out[:, :, seg.start - base : seg.start - base + seg.length]
             for block in seg.blocks:
                 for h0, h1, run in block.head_runs():  # contiguous heads: views, no temporary
                     run.decode_into(rows[:, h0:h1])
-        out[:, :, self.committed :].copy_(res)
-        return out
+        out[:, :, self.committed - base :].copy_(res)
+        return out if first == base else out[:, :, first - base :].contiguous()
 
-    def _commit(self) -> None:
-        """Quantize the tokens that are due (``plans.accounting.committed_length``) and append them.
+    def _commit(self, free: bool = True) -> None:
+        """Quantize the tokens that are due (``plans.accounting.committed_length``) and append them;
+        first (unless ``free`` is false) a sliding-window layer frees what left its window.
 
         Host synchronisations: none on CPU. On CUDA one per commit (every ``group_size`` tokens
         or so, not every step): a single read of two device flags, the non-finite check of the
@@ -225,6 +263,10 @@ class KVPlanLayer(CacheLayerMixin):
             return
         q = self.owner.plan.quantizer
         total = self.get_seq_length()
+        if self.window is not None and free:
+            kept = sliding_kept_start(total, self.window, q.group_size)
+            if kept > self.dropped:
+                self._free_before(kept)
         target = committed_length(total, q.residual_length, q.group_size)
         n = target - self.committed
         if n <= 0:
@@ -272,6 +314,38 @@ class KVPlanLayer(CacheLayerMixin):
         del self.residual_labels[:n]
         self.committed = target
 
+    def _free_before(self, kept: int) -> None:
+        """Free every stored token before position ``kept`` (a group boundary): residual tokens
+        that left the window before being committed, whole segments, and the leading groups of the
+        segment that straddles ``kept`` (its kept tokens are copied out so the freed bytes are
+        released, not held behind a view)."""
+        if kept > self.committed:  # tokens never committed: dropped from the residual
+            n = kept - self.committed
+            for kind in KINDS:
+                self.residual[kind] = self.residual[kind][:, :, n:].clone()
+            del self.residual_labels[:n]
+            self.committed = kept
+        for kind in KINDS:
+            segs = []
+            for seg in self.segments[kind]:
+                if seg.start + seg.length <= kept:
+                    continue
+                if seg.start < kept:
+                    a = kept - seg.start
+                    blocks = []
+                    for block in seg.blocks:
+                        part = block.token_range(a, block.length)
+                        part.map_tensors(lambda t: t.clone())
+                        blocks.append(part)
+                    seg = Segment(seg.modality, kept, seg.length - a, blocks)
+                segs.append(seg)
+            self.segments[kind] = segs
+        self.dropped = kept
+
+    def stored_length(self) -> int:
+        """Positions this layer holds (``T`` for a full layer; the kept window for a sliding one)."""
+        return self.get_seq_length() - self.dropped
+
     # ------------------------------------------------------------------ introspection
     def nbytes_parts(self) -> dict[str, int]:
         parts = {"payload": 0, "scales_zeros": 0, "correction": 0, "residual": 0}
@@ -307,6 +381,9 @@ class KVPlanCache(Cache):
     def __init__(self, plan: Plan, model_or_geometry=None, attention_kernel=None):
         geometry = plan.geometry if model_or_geometry is None else Geometry.of(model_or_geometry)
         plan.check_geometry(geometry)
+        if plan.geometry.sliding_window is None and geometry.sliding_window is not None:
+            # a plan written before windows were recorded: its sliding layers follow the model's window
+            plan = plan.replace(geometry=geometry)
         self.plan = plan
         self.geometry = geometry
         # set when the model runs kvplan's fused attention (see runtime/fused.py)
@@ -370,12 +447,13 @@ class KVPlanCache(Cache):
         return self.nbytes_breakdown()["total"]
 
     def num_values(self) -> int:
-        """Number of cached K/V values (``2 * B * layers * H_kv * T * D``)."""
+        """Number of cached K/V values (``2 * B * H_kv * D`` times the positions each layer holds:
+        ``T`` for full layers, the kept window for sliding-window layers)."""
         total = 0
         for layer in self.layers:
             if layer.is_initialized:
                 r = layer.residual["k"]
-                total += 2 * r.shape[0] * r.shape[1] * layer.get_seq_length() * r.shape[-1]
+                total += 2 * r.shape[0] * r.shape[1] * layer.stored_length() * r.shape[-1]
         return total
 
     def bpv(self) -> float:

@@ -46,12 +46,16 @@ def _check_rope(plan: Plan, model, source: str | None) -> None:
     theirs = rope_inv_freq(model)
     if theirs is None:
         return
-    if len(theirs) != len(plan.rope_inv_freq) or not all(
-            math.isclose(a, b, rel_tol=1e-5) for a, b in zip(theirs, plan.rope_inv_freq)):
-        warnings.warn(f"{source or 'plan'}: rope_inv_freq ({len(plan.rope_inv_freq)} values) differs from this "
-                      f"model's RoPE frequencies ({len(theirs)} values); keys are still read back exactly, but are "
-                      "quantized in a frame that does not undo this model's RoPE (less accurate than searched)",
-                      UserWarning, stacklevel=3)
+    for layer, layer_type in enumerate(plan.geometry.layer_types):  # each layer type's RoPE base
+        mine = plan.layer_inv_freq(layer)
+        model_freqs = theirs[layer_type] if isinstance(theirs, dict) else theirs
+        if len(model_freqs) != len(mine) or not all(
+                math.isclose(a, b, rel_tol=1e-5) for a, b in zip(model_freqs, mine)):
+            warnings.warn(f"{source or 'plan'}: rope_inv_freq of layer {layer} ({layer_type}, {len(mine)} values) "
+                          f"differs from this model's RoPE frequencies ({len(model_freqs)} values); keys are still "
+                          "read back exactly, but are quantized in a frame that does not undo this model's RoPE "
+                          "(less accurate than searched)", UserWarning, stacklevel=3)
+            return
 
 
 def _config(model_or_geometry):

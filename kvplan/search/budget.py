@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import KVPlanError
 from ..kernels.qtypes import FULL_PRECISION_BITS
 from ..plans import QuantizerSettings, Reference, committed_length, layout_labels, split_codes, stored_runs
-from ..plans.accounting import correction_bytes, run_bytes
+from ..plans.accounting import _clip_runs, correction_bytes, run_bytes, sliding_kept_start, stored_tokens
 from .space import Q_FIELDS, SearchSpace
 
 EPS = 1e-9
@@ -84,10 +84,19 @@ class BpvModel:
         self.reference = reference
         g = space.geometry
         self.labels = layout_labels(reference.context_len, reference.modality_mix)
-        self.n_values = g.num_layers * g.num_kv_heads * 2 * reference.context_len * g.head_dim
         self._terms: dict[QuantizerSettings, _QTerms] = {}  # QuantizerSettings is frozen: a key
         for q in space.quantizers():
             self._terms[q] = self._build(q)
+
+    def n_values(self, q: QuantizerSettings) -> int:
+        """Values the cache holds at the reference (sliding-window layers: their kept window)."""
+        g = self.space.geometry
+        return g.num_kv_heads * 2 * g.head_dim * stored_tokens(g, len(self.labels), q.group_size)
+
+    def _kept_starts(self, q: QuantizerSettings) -> list[int]:
+        """First stored position of each layer at the reference (0 for full layers)."""
+        g = self.space.geometry
+        return [sliding_kept_start(len(self.labels), g.window(layer), q.group_size) for layer in range(g.num_layers)]
 
     def slot_costs(self, q: QuantizerSettings) -> np.ndarray:
         """bpv contributed by each slot at each format code of the space (``space.codes``):
@@ -96,29 +105,38 @@ class BpvModel:
         fp_bytes = self.reference.full_precision_bits // 8
         T = len(self.labels)
         C = committed_length(T, q.residual_length, q.group_size)
-        runs = stored_runs(self.labels, 0, C, q.sink_length)
+        all_runs = stored_runs(self.labels, 0, C, q.sink_length)
+        n_values = self.n_values(q)
         codes = self.space.codes
-        per = np.zeros((2, len(self.space.modalities), len(codes)))
-        for k, kind in enumerate(("k", "v")):
-            for m, mod in enumerate(self.space.modalities):
-                for ci, code in enumerate(codes):
-                    bits, corrected = split_codes(code)
-                    tot = 0
-                    for lab, start, length, sink in runs:
-                        if lab == mod and not sink:  # sink positions are a constant (see _build)
-                            p, s = run_bytes(bits, q.axis(kind), q.group_size, g.head_dim, start, length, fp_bytes)
-                            tot += p + s + (correction_bytes(q, start, length) if corrected else 0)
-                    per[k, m, ci] = 8.0 * tot / self.n_values
+        by_start: dict[int, np.ndarray] = {}  # a layer's kept start -> per [2, M, n_codes]
+        for kept in set(self._kept_starts(q)):
+            runs = _clip_runs(all_runs, kept) if kept else all_runs
+            per = np.zeros((2, len(self.space.modalities), len(codes)))
+            for k, kind in enumerate(("k", "v")):
+                for m, mod in enumerate(self.space.modalities):
+                    for ci, code in enumerate(codes):
+                        bits, corrected = split_codes(code)
+                        tot = 0
+                        for lab, start, length, sink in runs:
+                            if lab == mod and not sink:  # sink positions are a constant (see _build)
+                                p, s = run_bytes(bits, q.axis(kind), q.group_size, g.head_dim, start, length,
+                                                 fp_bytes)
+                                tot += p + s + (correction_bytes(q, start, length) if corrected else 0)
+                        per[k, m, ci] = 8.0 * tot / n_values
+            by_start[kept] = per
         L, H, _, M = self.space.shape
-        return np.broadcast_to(per[None, None], (L, H, 2, M, len(codes))).reshape(-1, len(codes))
+        layers = np.stack([by_start[kept] for kept in self._kept_starts(q)])  # [L, 2, M, n_codes]
+        return np.broadcast_to(layers[:, None], (L, H, 2, M, len(codes))).reshape(-1, len(codes))
 
     def _build(self, q: QuantizerSettings) -> _QTerms:
         g = self.space.geometry
         T = len(self.labels)
         C = committed_length(T, q.residual_length, q.group_size)
-        n_sink = min(q.sink_length, C)  # committed sink positions, stored at full precision in every slot
-        const = 8.0 * (T - C + n_sink) * g.head_dim * (self.reference.full_precision_bits // 8) \
-            * g.num_kv_heads * 2 * g.num_layers / self.n_values
+        # per layer: residual positions it keeps, plus committed sink positions it keeps (stored at
+        # full precision in every slot); sliding-window layers keep only from their kept start on
+        fp_positions = sum(T - max(C, kept) + max(0, min(q.sink_length, C) - kept) for kept in self._kept_starts(q))
+        const = 8.0 * fp_positions * g.head_dim * (self.reference.full_precision_bits // 8) \
+            * g.num_kv_heads * 2 / self.n_values(q)
         sc = self.slot_costs(q)
         bit_col = {c: i for i, c in enumerate(self.space.codes)}
         groups = self.space.groups

@@ -32,6 +32,7 @@ from ..kernels.qtypes import FULL_PRECISION_BITS, GROUP_SIZES, SUPPORTED_BITS
 from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
 from ..plans import CORRECTED, KINDS, KVTUNER_PAIRS, KeyBasis, Plan, Provenance, QuantizerSettings, Reference
+from ..plans._rope import as_floats, normalize_rope_inv_freq
 
 GRANULARITIES = ("slot", "layer_kv", "layer", "kvtuner")
 DEFAULT_BITS = (2, 3, 4, 8, 16)
@@ -105,7 +106,8 @@ class SearchSpace:
             "key_correction_rank": self.key_basis.shape[-1], "key_correction_bits": key_correction_bits}
         # rotations (kvplan.kernels.rotation): fixed for every plan of the space; keys in the
         # pre-RoPE frame when the model's RoPE frequencies are given
-        self.rope_inv_freq = None if rope_inv_freq is None else tuple(float(f) for f in rope_inv_freq)
+        # one list, or a dict layer type -> list (several RoPE bases, kvplan.plans._rope)
+        self.rope_inv_freq = None if rope_inv_freq is None else as_floats(normalize_rope_inv_freq(rope_inv_freq))
         self.fixed_fields = {**self.key_correction, "rotation": rotation, "key_pre_rope": rope_inv_freq is not None}
         QuantizerSettings(**self.fixed_fields)  # validates rotation
         if rotation == "hadamard" and not hadamard_fits(geometry.head_dim):
