@@ -39,6 +39,7 @@ def _no_model():
 
     mp = pytest.MonkeyPatch()
     mp.setattr(kvplan.models, "load_model", stub)
+    mp.chdir(TMP)  # a relative path the fuzzer makes up (a journal file...) lands in the scratch folder
     yield
     mp.undo()
 

@@ -876,8 +876,11 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
             "plans": {f"{b:g}": p.to_yaml() for b, p in res["plans"].items()}})
 
     holder: dict = {}
+    # a final export made before this study grew (a resume with more --trials) does not count
+    n_done = len(s.complete())
     final = run_once(study, "finalize", "kvplan.final", export, owner, hb, persistent, force=finalize,
-                     on_wait=waiting_for("final measurement and export"))
+                     on_wait=waiting_for("final measurement and export"),
+                     valid=lambda v: isinstance(v, dict) and v.get("n_trials") == n_done)
     if "result" in holder:
         res = holder["result"]
         plans, paths, curve, front = res["plans"], res["paths"], res["curve"], res["pareto"]

@@ -1,9 +1,9 @@
 """Several workers on one study: who does the once-per-study jobs, and who may evaluate.
 
-Every primitive here is a trial (the only thing Optuna storages create atomically, with its
-attributes, in one write) or a study user attribute (a result, written once by the worker
-that produced it). No lock is taken; every rule is "write, then read", which guarantees that
-of two workers acting at the same time at least one sees the other's write:
+Every primitive here is a trial attribute or a study user attribute (a result, written once
+by the worker that produced it). No lock is taken; every rule is "write, then read", which
+guarantees that of two workers acting at the same time at least one sees the other's write
+(each write is committed before its writer reads):
 
 - **Once-per-study jobs** (:func:`run_once`: the shared setup and sensitivity profile, the
   final validation/test measurement and export). A worker that finds no result adds a RUNNING
@@ -68,41 +68,50 @@ def tell(study: optuna.Study, trial, hb: Heartbeat | None, values=None, state=No
 
 
 def add_running(study: optuna.Study, owner: dict, hb: Heartbeat, attrs: dict):
-    """A bookkeeping RUNNING trial (no params) with ``owner`` and ``attrs`` written in one step;
-    returns its ``FrozenTrial`` (held by the heartbeat)."""
+    """A bookkeeping RUNNING trial (no params) owned by ``owner``, then ``attrs`` written into it;
+    returns its ``FrozenTrial`` (held by the heartbeat).
+
+    The attributes that make the trial count (a claim's role, a reservation's plan key) are
+    written only after its first heartbeat: a worker killed in between leaves a trial that
+    counts for nothing, never one that counts forever without a heartbeat to expire it."""
     token = uuid.uuid4().hex
     study.add_trial(optuna.trial.create_trial(state=TrialState.RUNNING,
-                                              user_attrs={"kvplan.owner": {**owner, "token": token}, **attrs}))
+                                              user_attrs={"kvplan.owner": {**owner, "token": token}}))
     for t in reversed(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
         if trial_owner(t).get("token") == token:
             hb.hold(t._trial_id)
-            return t
+            for k, v in attrs.items():
+                study._storage.set_trial_user_attr(t._trial_id, k, v)
+            return study._storage.get_trial(t._trial_id)
     raise AssertionError("internal: the trial just added is not in the study")
 
 
 def run_once(study: optuna.Study, job: str, result_attr: str, work: Callable[[], object], owner: dict,
              hb: Heartbeat, persistent: bool, on_wait: Callable[[], None] | None = None,
-             force: bool = False, timeout_s: float | None = None):
+             force: bool = False, timeout_s: float | None = None, valid: Callable[[object], bool] | None = None):
     """``study.user_attrs[result_attr]``, computed by ``work()`` in exactly one worker of the
     study (this one or another). ``work`` must set ``result_attr`` itself before returning
-    (the value is read back from the study). ``force``: do it now even if a result exists."""
+    (the value is read back from the study). ``force``: do it now even if a result exists.
+    ``valid(value)``: whether a stored result still holds (default: any stored value does)."""
+    def have() -> bool:
+        attrs = study.user_attrs
+        return result_attr in attrs and (valid is None or valid(attrs[result_attr]))
+
     if not persistent:
-        if force or result_attr not in study.user_attrs:
+        if force or not have():
             work()
         return study.user_attrs.get(result_attr)
     role = f"{job}-claim"
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     waited = False
     while True:
-        if not force:
-            attrs = study.user_attrs
-            if result_attr in attrs:
-                return attrs[result_attr]
+        if not force and have():
+            return study.user_attrs[result_attr]
         claim = add_running(study, owner, hb, {"kvplan.role": role})
         others = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                   if t.user_attrs.get("kvplan.role") == role and t._trial_id != claim._trial_id]
         if not others:
-            if not force and result_attr in study.user_attrs:  # finished between our two reads
+            if not force and have():  # finished between our two reads
                 tell(study, claim, hb, state=TrialState.FAIL)
                 return study.user_attrs[result_attr]
             try:
@@ -117,7 +126,7 @@ def run_once(study: optuna.Study, job: str, result_attr: str, work: Callable[[],
             waited = True
         # wait until the result appears or every live claim is gone (its worker died)
         while True:
-            if result_attr in study.user_attrs:
+            if have():
                 return study.user_attrs[result_attr]
             fail_orphaned_trials(study)
             live = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))

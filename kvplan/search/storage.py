@@ -290,7 +290,11 @@ def fail_orphaned_trials(study: optuna.Study, grace_s: float | None = None) -> i
     now = datetime.datetime.now()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = trial_owner(t)
-        unowned = not owner and t.datetime_start is not None and (now - t.datetime_start).total_seconds() > grace
+        old = t.datetime_start is not None and (now - t.datetime_start).total_seconds() > grace
+        # never held: no owner (killed right after ask), or a bookkeeping trial killed before it
+        # got its role (see kvplan.search._workers.add_running)
+        unowned = old and (not owner or (not t.params and not t.user_attrs.get("kvplan.role")
+                                         and not t.user_attrs.get("kvplan.eval")))
         pid = owner.get("pid")
         dead = (not hb and owner.get("host") == HOST and isinstance(pid, int) and pid != os.getpid()
                 and not _alive(pid))

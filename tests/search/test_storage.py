@@ -196,3 +196,25 @@ def test_password_is_not_shown():
     with pytest.raises(StorageError) as e:
         make_storage("postgresql://kvplan:s3cret@127.0.0.1:1/nodb")
     assert "s3cret" not in str(e.value) and "***" in str(e.value)
+
+
+def test_finalize_and_resume_with_more_trials(tmp_path):
+    """``--finalize`` exports an existing study's plan without new trials; a resumed study with
+    more trials is measured and exported again (the old export does not count); a worker joining
+    a finished study is told who exported it and writes nothing."""
+    storage = str(tmp_path / "f.journal")
+    fast = dict(budget="3.0", progress=False, n_candidates=4, n_local=8, profile=False, storage=storage,
+                study_name="f")
+    r1 = search(n_trials=5, scorer=SyntheticScorer(), out=None, **fast)
+    assert r1.finalized_by is None and r1.paths == {}
+    r2 = search(n_trials=5, scorer=SyntheticScorer(), out=str(tmp_path / "late.yaml"), **fast)
+    assert r2.n_real_evals == 0 and r2.finalized_by is not None and not (tmp_path / "late.yaml").exists()
+    assert r2.plan.to_yaml() == r1.plan.to_yaml()
+    r3 = search(n_trials=5, scorer=SyntheticScorer(), out=str(tmp_path / "fin.yaml"), finalize=True, **fast)
+    assert r3.n_real_evals == 0 and r3.finalized_by is None and (tmp_path / "fin.yaml").exists()
+    assert r3.plan.metrics["search"]["n_trials"] == 5
+    r4 = search(n_trials=8, scorer=SyntheticScorer(), out=str(tmp_path / "more.yaml"), **fast)
+    assert r4.n_real_evals == 3 and r4.finalized_by is None
+    assert r4.plan.metrics["search"]["n_trials"] == 8 and (tmp_path / "more.yaml").exists()
+    with pytest.raises(KVPlanError, match="no such study"):
+        search(n_trials=5, scorer=SyntheticScorer(), out=None, finalize=True, **{**fast, "study_name": "nope"})
