@@ -48,13 +48,17 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
 
 
-def quantize(x, bits, group_size, axis, start_offset=0, range_flag=None):
+def quantize(x, bits, group_size, axis, start_offset=0, range_flag=None, fmt=None):
     """Quantize ``x [B, h, T, D]`` to ``(packed codes, scale, zero)``; see ``reference`` for layout.
 
     Values outside the fp16 range of the scales raise ``ValueError``; with ``range_flag`` (int32
     ``[1]`` on ``x``'s device) the Triton kernel raises the flag instead, without a host sync,
-    for the caller to check later (the reference always checks at once).
+    for the caller to check later (the reference always checks at once). ``fmt``: a
+    :class:`~kvplan.kernels.formats.Format` other than v1 is encoded by the PyTorch reference on
+    every device (the Triton encode kernels write the v1 format only).
     """
+    if fmt is not None and not fmt.legacy:
+        return reference.quantize(x, bits, group_size, axis, start_offset, fmt)
     if _use_triton(x):
         from . import triton_kernels
 
@@ -62,8 +66,11 @@ def quantize(x, bits, group_size, axis, start_offset=0, range_flag=None):
     return reference.quantize(x, bits, group_size, axis, start_offset)
 
 
-def dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset=0, dtype=torch.float16):
-    """Unpack and dequantize to ``[B, h, T, D]`` in ``dtype``."""
+def dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset=0, dtype=torch.float16,
+               fmt=None):
+    """Unpack and dequantize to ``[B, h, T, D]`` in ``dtype`` (``fmt``: see :func:`quantize`)."""
+    if fmt is not None and not fmt.legacy:
+        return reference.dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, dtype, fmt)
     if _use_triton(packed):
         from . import triton_kernels
 
@@ -71,8 +78,11 @@ def dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offs
     return reference.dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, dtype)
 
 
-def dequantize_into(out, packed, scale, zero, bits, group_size, axis, head_dim, start_offset=0):
+def dequantize_into(out, packed, scale, zero, bits, group_size, axis, head_dim, start_offset=0, fmt=None):
     """:func:`dequantize` written into ``out [B, h, T, D]`` (may be a view into a larger buffer)."""
+    if fmt is not None and not fmt.legacy:
+        return reference.dequantize_into(out, packed, scale, zero, bits, group_size, axis, head_dim, start_offset,
+                                         fmt)
     if _use_triton(packed):
         return out.copy_(dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, out.dtype))
     return reference.dequantize_into(out, packed, scale, zero, bits, group_size, axis, head_dim, start_offset)

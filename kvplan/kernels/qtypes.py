@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 FULL_PRECISION_BITS = 16
 
-# Scales and zero-points are stored in fp16: 2 bytes each.
-SCALE_BYTES = 2
-ZERO_BYTES = 2
+# What each group stores besides its codes (scales, zero-points, codebooks) is the slot
+# format's business: kvplan.kernels.formats.
 
 
 @dataclass(frozen=True)

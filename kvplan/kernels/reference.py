@@ -18,12 +18,18 @@ Layout contract (the Triton kernels in ``triton_kernels.py`` produce exactly thi
   ``group_size`` tokens, so the first and last groups may be partial.
   scale, zero: ``fp16 [B, h, n_groups, D]`` with
   ``n_groups = ceil((start_offset + T) / group_size)``.
+
+That is the v1 format. Other formats of the registry (:mod:`kvplan.kernels.formats`: e4m3
+scales, symmetric groups without a zero-point, codebooks) keep the same code packing and the
+same scale / zero shapes, with their own dtypes (``zero`` is ``None`` when symmetric); they
+decode as ``zero + scale * L[code]``. The Triton kernels implement the v1 format only.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .formats import Format, store_scale
 from .qtypes import channel_group_size, qtype
 
 _FP16_MAX = 65504.0
@@ -80,6 +86,17 @@ def _byte_codes(bits: int, device) -> torch.Tensor:
     return _BYTE_CODES[key]
 
 
+_BYTE_LEVELS: dict = {}
+
+
+def _byte_levels(levels: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[256, 4]``: the 2-bit codebook levels of the four codes packed in each byte value."""
+    key = (tuple(levels.tolist()), str(levels.device))
+    if key not in _BYTE_LEVELS:
+        _BYTE_LEVELS[key] = levels[_byte_codes(2, levels.device).long()]
+    return _BYTE_LEVELS[key]
+
+
 # ----------------------------------------------------------------------------- scales
 def _scale_zero(mn: torch.Tensor, mx: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 scale and zero-point from fp32 group min / max."""
@@ -104,12 +121,16 @@ def _encode(x: torch.Tensor, scale16: torch.Tensor, zero16: torch.Tensor, qmax: 
 
 # ----------------------------------------------------------------------------- quantize
 def quantize(
-    x: torch.Tensor, bits: int, group_size: int, axis: str, start_offset: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize ``x [B, h, T, D]``; returns ``(packed codes, scale fp16, zero fp16)``.
+    x: torch.Tensor, bits: int, group_size: int, axis: str, start_offset: int = 0, fmt: Format | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize ``x [B, h, T, D]``; returns ``(packed codes, scale, zero)``.
 
-    See the module docstring for the layout.
+    See the module docstring for the layout. ``fmt`` (:class:`~kvplan.kernels.formats.Format`,
+    default: the v1 format at ``bits``) sets the scale / zero dtypes (``zero`` is ``None`` for a
+    symmetric scaling) and the codebook.
     """
+    if fmt is not None and not fmt.legacy:
+        return _quantize_format(x, fmt, group_size, axis, start_offset)
     qt = qtype(bits)
     B, h, T, D = x.shape
     xf = x.float()
@@ -136,6 +157,67 @@ def quantize(
     return pack_codes(codes, bits), scale, zero
 
 
+def _group_stats(xf: torch.Tensor, group_size: int, axis: str, start_offset: int, symmetric: bool):
+    """Per-group ``(lo, hi)`` (min-max) or ``(None, max |x|)`` (absmax): ``[B, h, T, D/g]`` on the
+    token axis, ``[B, h, n_groups, D]`` on the channel axis."""
+    B, h, T, D = xf.shape
+    if axis == "token":
+        g = channel_group_size(group_size, D)
+        xg = xf.reshape(B, h, T, D // g, g)
+        if symmetric:
+            return None, xg.abs().amax(dim=-1)
+        return xg.amin(dim=-1), xg.amax(dim=-1)
+    if axis != "channel":
+        raise ValueError(f"unknown quantization axis {axis!r}; expected 'token' or 'channel'")
+    if not 0 <= start_offset < group_size:
+        raise ValueError(f"start_offset {start_offset} outside [0, {group_size})")
+    n_groups = -(-(start_offset + T) // group_size)
+    back = n_groups * group_size - start_offset - T
+    if symmetric:
+        a = torch.nn.functional.pad(xf.abs(), (0, 0, start_offset, back), value=0.0)
+        return None, a.reshape(B, h, n_groups, group_size, D).amax(dim=3)
+    lo = torch.nn.functional.pad(xf, (0, 0, start_offset, back), value=float("inf"))
+    hi = torch.nn.functional.pad(xf, (0, 0, start_offset, back), value=float("-inf"))
+    return (lo.reshape(B, h, n_groups, group_size, D).amin(dim=3),
+            hi.reshape(B, h, n_groups, group_size, D).amax(dim=3))
+
+
+def _per_value(t: torch.Tensor, group_size: int, axis: str, start_offset: int, shape) -> torch.Tensor:
+    """A per-group tensor broadcast to the values ``[B, h, T, D]`` (token axis: ``[..., D/g, 1]``
+    against ``[..., D/g, g]`` groups, flattened back)."""
+    B, h, T, D = shape
+    if axis == "token":
+        g = channel_group_size(group_size, D)
+        return t.unsqueeze(-1).expand(B, h, T, D // g, g).reshape(B, h, T, D)
+    return _expand_groups(t, group_size, start_offset, T)
+
+
+def _quantize_format(x: torch.Tensor, fmt: Format, group_size: int, axis: str, start_offset: int):
+    """:func:`quantize` for a non-v1 format: scales in the format's dtype, codes to the nearest level."""
+    qmax = (1 << fmt.bits) - 1
+    xf = x.float()
+    sym = fmt.spec.symmetric
+    lo, hi = _group_stats(xf, group_size, axis, start_offset, sym)
+    if sym:
+        scale, zero = store_scale(hi, fmt), None
+    else:
+        if bool((lo < -_FP16_MAX).any() or (hi > _FP16_MAX).any()):
+            raise ValueError("KV values exceed the fp16 range of the stored zero-points "
+                             f"(min {lo.min().item():.4g}, max {hi.max().item():.4g}); cannot quantize this block")
+        zero = lo.to(fmt.spec.zero_dtype)
+        scale = store_scale((hi - zero.float()) / qmax, fmt)
+    s = _per_value(scale.float(), group_size, axis, start_offset, xf.shape)
+    u = xf if sym else xf - _per_value(zero.float(), group_size, axis, start_offset, xf.shape)
+    u = u / torch.where(s > 0, s, torch.ones_like(s))  # [B, h, T, D] in level units
+    L = fmt.level_units(x.device)
+    if L is None:  # uniform min-max levels L[c] = c
+        codes = torch.round(u).clamp_(0, qmax)
+    else:
+        codes = torch.bucketize(u, (L[1:] + L[:-1]) / 2).float()
+    codes = torch.where(s > 0, codes, torch.zeros_like(codes)).to(torch.uint8)
+    return pack_codes(codes, fmt.bits), scale, zero
+
+
 def _expand_groups(t: torch.Tensor, group_size: int, start_offset: int, T: int) -> torch.Tensor:
     """``[B, h, n_groups, D]`` per-group tensor to ``[B, h, T, D]`` per token."""
     return t.repeat_interleave(group_size, dim=2)[:, :, start_offset : start_offset + T]
@@ -151,11 +233,12 @@ def dequantize(
     head_dim: int,
     start_offset: int = 0,
     dtype: torch.dtype = torch.float16,
+    fmt: Format | None = None,
 ) -> torch.Tensor:
     """Unpack and dequantize back to ``[B, h, T, D]`` in ``dtype``."""
     B, h, T = packed.shape[:3]
     out = torch.empty(B, h, T, head_dim, dtype=torch.float32, device=packed.device)
-    dequantize_into(out, packed, scale, zero, bits, group_size, axis, head_dim, start_offset)
+    dequantize_into(out, packed, scale, zero, bits, group_size, axis, head_dim, start_offset, fmt)
     return out if dtype == torch.float32 else out.to(dtype)
 
 
@@ -169,6 +252,7 @@ def dequantize_into(
     axis: str,
     head_dim: int,
     start_offset: int = 0,
+    fmt: Format | None = None,
 ) -> torch.Tensor:
     """:func:`dequantize` written into ``out [B, h, T, D]`` (any float dtype); returns ``out``.
 
@@ -176,20 +260,30 @@ def dequantize_into(
     cache read) as long as its last dimension is contiguous. The arithmetic is the same as
     :func:`dequantize` (fp32 ``code * scale + zero``, then rounded to ``out.dtype``); an fp32
     ``out`` is filled in place: codes are unpacked straight into it and the affine map runs
-    in place, so no full-size temporaries are made.
+    in place, so no full-size temporaries are made. ``fmt``: see :func:`quantize`; a codebook
+    costs nothing extra at 2 bits (the byte table holds levels instead of codes) and one gather
+    otherwise; a symmetric scaling (``zero is None``) skips the zero-point pass.
     """
     if axis not in ("token", "channel"):
         raise ValueError(f"unknown quantization axis {axis!r}")
     if out.dtype != torch.float32 or out.stride(-1) != 1:
         tmp = torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        dequantize_into(tmp, packed, scale, zero, bits, group_size, axis, head_dim, start_offset)
+        dequantize_into(tmp, packed, scale, zero, bits, group_size, axis, head_dim, start_offset, fmt)
         return out.copy_(tmp)
     B, h, T, D = out.shape
+    levels = None if fmt is None else fmt.level_units(out.device)
     if bits == 2 and D % 4 == 0 and out.is_contiguous():
-        # 2 bits: one table lookup per byte writes its four codes as floats straight into out
-        # (1.3-1.5x faster than the shift passes below on one CPU thread; at 4 bits it is slower)
+        # 2 bits: one table lookup per byte writes its four codes (or levels) as floats straight into
+        # out (1.3-1.5x faster than the shift passes below on one CPU thread; at 4 bits it is slower)
         idx = packed.to(torch.int32).reshape(-1)
-        torch.index_select(_byte_codes(bits, out.device), 0, idx, out=out.view(-1, 4))
+        table = _byte_codes(bits, out.device) if levels is None else _byte_levels(levels)
+        torch.index_select(table, 0, idx, out=out.view(-1, 4))
+    elif levels is not None:
+        codes = unpack_codes(packed, bits, D).reshape(-1).to(torch.int32)
+        if out.is_contiguous():
+            torch.index_select(levels, 0, codes, out=out.view(-1))
+        else:
+            out.copy_(levels[codes].view(out.shape))
     else:
         # uint8 codes (interleaved in uint8, cheap), then one contiguous uint8 -> float conversion:
         # ~17% faster at 2 bits than converting each code position into a stride-4 column of out
@@ -199,23 +293,33 @@ def dequantize_into(
         o = out.unflatten(-1, (D // g, g))
         # two in-place passes with one broadcast operand each run vectorized; a single addcmul
         # broadcasting both scale and zero along the innermost dim does not
-        o.mul_(scale.float().unsqueeze(-1)).add_(zero.float().unsqueeze(-1))
+        o.mul_(scale.float().unsqueeze(-1))
+        if zero is not None:
+            o.add_(zero.float().unsqueeze(-1))
         return out
     # channel axis: a partial first group, whole groups, a partial last group; each part is one
     # broadcast addcmul on a view of out (no per-token expansion of the scales)
-    sf, zf = scale.float(), zero.float()  # [B, h, n_groups, D]
+    sf = scale.float()  # [B, h, n_groups, D]
+    zf = None if zero is None else zero.float()
+
+    def affine(o, g0, g1, unsqueeze):
+        s_, z_ = sf[:, :, g0:g1], None if zf is None else zf[:, :, g0:g1]
+        if unsqueeze:
+            s_, z_ = s_.unsqueeze(3), None if z_ is None else z_.unsqueeze(3)
+        if z_ is None:
+            o.mul_(s_)
+        else:
+            torch.addcmul(z_, o, s_, out=o)
+
     t0 = gi = 0
     if start_offset:
         n = min(T, group_size - start_offset)
-        o = out[:, :, :n]
-        torch.addcmul(zf[:, :, :1], o, sf[:, :, :1], out=o)
+        affine(out[:, :, :n], 0, 1, False)
         t0, gi = n, 1
     n_whole = (T - t0) // group_size
     if n_whole:
-        o = out[:, :, t0 : t0 + n_whole * group_size].unflatten(2, (n_whole, group_size))
-        torch.addcmul(zf[:, :, gi : gi + n_whole].unsqueeze(3), o, sf[:, :, gi : gi + n_whole].unsqueeze(3), out=o)
+        affine(out[:, :, t0 : t0 + n_whole * group_size].unflatten(2, (n_whole, group_size)), gi, gi + n_whole, True)
         t0, gi = t0 + n_whole * group_size, gi + n_whole
     if t0 < T:
-        o = out[:, :, t0:]
-        torch.addcmul(zf[:, :, gi : gi + 1], o, sf[:, :, gi : gi + 1], out=o)
+        affine(out[:, :, t0:], gi, gi + 1, False)
     return out

@@ -7,7 +7,8 @@ from typing import Mapping
 
 from .._version import __version__
 from ..errors import PlanError
-from ..kernels.qtypes import GROUP_SIZES, SUPPORTED_BITS
+from ..kernels.formats import DEFAULT_SCALING, SCALINGS, Format, check_levels
+from ..kernels.qtypes import FULL_PRECISION_BITS, GROUP_SIZES, QTYPES, SUPPORTED_BITS
 from ._checks import (CORRECTED, DEFAULT_MODALITY, KINDS, MAX_HEAD_DIM, MAX_TOKENS, check_choice, check_int, is_num,
                       key_path)
 
@@ -33,6 +34,11 @@ class QuantizerSettings:
     # constants, so they cost no bpv
     rotation: str = "none"  # "hadamard": quantized K and V times a Hadamard matrix (power-of-two head_dim)
     key_pre_rope: bool = False  # quantized keys rotated back to the pre-RoPE frame (needs Plan.rope_inv_freq)
+    # slot formats (kvplan.kernels.formats, schema version 2): what each group stores besides its
+    # codes, per kind, and non-uniform codebook levels per kind and bits (plan constants, no bpv)
+    key_scaling: str = DEFAULT_SCALING
+    value_scaling: str = DEFAULT_SCALING
+    codebooks: tuple = ()  # ((kind, bits, levels), ...); YAML: {k: {2: [λ0, ...]}, v: {...}}
 
     def __post_init__(self):
         check_choice(self.group_size, "quantizer.group_size", GROUP_SIZES)
@@ -46,12 +52,79 @@ class QuantizerSettings:
         check_choice(self.rotation, "quantizer.rotation", ROTATIONS)
         if not isinstance(self.key_pre_rope, bool):
             raise PlanError("quantizer.key_pre_rope", "must be true or false", self.key_pre_rope)
+        check_choice(self.key_scaling, "quantizer.key_scaling", tuple(SCALINGS))
+        check_choice(self.value_scaling, "quantizer.value_scaling", tuple(SCALINGS))
+        object.__setattr__(self, "codebooks", _codebooks(self.codebooks, self))
         if self.key_correction_rank and self.key_axis != "channel":
             raise PlanError("quantizer.key_correction_rank", "needs key_axis 'channel' (the correction code shares "
                             "the keys' token groups)", self.key_correction_rank)
 
     def axis(self, kind: str) -> str:
         return self.key_axis if kind == "k" else self.value_axis
+
+    def scaling(self, kind: str) -> str:
+        return self.key_scaling if kind == "k" else self.value_scaling
+
+    def format(self, kind: str, bits: int) -> Format:
+        """The stored format of a ``kind`` slot at ``bits`` (16: full precision)."""
+        if bits == FULL_PRECISION_BITS:
+            return Format(bits)
+        return Format(bits, self.scaling(kind), self.codebook(kind, bits))
+
+    def codebook(self, kind: str, bits: int) -> tuple[float, ...] | None:
+        for k, b, levels in self.codebooks:
+            if k == kind and b == bits:
+                return levels
+        return None
+
+    @property
+    def v1_formats(self) -> bool:
+        """Every slot in the schema-version-1 format (fp16 min-max scales, uniform codes)."""
+        return self.key_scaling == self.value_scaling == DEFAULT_SCALING and not self.codebooks
+
+    def codebooks_dict(self) -> dict:
+        """``{kind: {bits: [levels]}}`` as written in a plan file."""
+        out: dict = {}
+        for k, b, levels in self.codebooks:
+            out.setdefault(k, {})[b] = list(levels)
+        return out
+
+
+def _codebooks(value, q: "QuantizerSettings") -> tuple:
+    """Normalize ``codebooks`` (a YAML mapping ``{kind: {bits: [levels]}}`` or the tuple form) to a
+    sorted tuple ``((kind, bits, levels), ...)``, each checked against its kind's scaling."""
+    if isinstance(value, Mapping):
+        items = []
+        for kind, per_bits in value.items():
+            path = key_path("quantizer.codebooks", kind)
+            check_choice(kind, path, KINDS)
+            if not isinstance(per_bits, Mapping):
+                raise PlanError(path, "must map bits to a list of levels", per_bits)
+            for bits, levels in per_bits.items():
+                items.append((kind, bits, levels))
+    elif isinstance(value, (tuple, list)):
+        items = list(value)
+    else:
+        raise PlanError("quantizer.codebooks", "must map k / v to {bits: [levels]}", value)
+    out = []
+    for kind, bits, levels in items:
+        path = f"quantizer.codebooks.{kind}.{bits}"
+        check_choice(bits, f"quantizer.codebooks.{kind}", tuple(sorted(QTYPES)))
+        if not isinstance(levels, (list, tuple)):
+            raise PlanError(path, "must be a list of numbers", levels)
+        if len(levels) != 1 << bits:
+            raise PlanError(path, f"a {bits}-bit codebook needs {1 << bits} levels", len(levels))
+        if not all(is_num(v) for v in levels):
+            raise PlanError(path, "must be a list of numbers", levels)
+        levels = tuple(float(v) for v in levels)
+        try:
+            check_levels(levels, bits, SCALINGS[q.scaling(kind)].symmetric)
+        except ValueError as e:
+            raise PlanError(path, str(e), show_value=False) from None
+        out.append((kind, bits, levels))
+    if len({(k, b) for k, b, _ in out}) != len(out):
+        raise PlanError("quantizer.codebooks", "names a kind and bits twice", show_value=False)
+    return tuple(sorted(out))
 
 
 def check_correction_rank(rank: int, head_dim: int) -> None:

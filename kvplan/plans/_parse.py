@@ -23,6 +23,8 @@ from ._rope import parse_rope_inv_freq
 _TOP = ["name", "modalities", "quantizer", "budget", "provenance", "metrics", "key_basis", "rope_inv_freq"]
 _QUANTIZER = ["group_size", "key_axis", "value_axis", "residual_length", "sink_length", "key_correction_rank",
               "key_correction_bits", "rotation", "key_pre_rope"]
+# quantizer keys that schema version 2 added (slot formats, kvplan.kernels.formats)
+_QUANTIZER_V2 = ["key_scaling", "value_scaling", "codebooks"]
 _BPV = ["total", "payload", "scales_zeros", "residual", "correction"]
 
 
@@ -30,14 +32,17 @@ def plan_fields(d) -> dict:
     """Keyword arguments of :class:`Plan` for the document ``d`` (checks what one key can;
     ``Plan.__post_init__`` checks the rest)."""
     check_keys(d, "", ["schema_version", "model", "bits"], _TOP)
-    _schema_version(d["schema_version"])
+    version = _schema_version(d["schema_version"])
     name = d.get("name")
     if name is not None:
         check_str(name, "name")
     geometry = _geometry(d["model"])
     modalities = check_list(d.get("modalities", [DEFAULT_MODALITY]), "modalities", "names")
     q = d.get("quantizer", {})
-    check_keys(q, "quantizer", [], _QUANTIZER)
+    check_keys(q, "quantizer", [], _QUANTIZER + _QUANTIZER_V2)
+    for k in _QUANTIZER_V2:
+        if k in q and version < 2:
+            raise PlanError(f"quantizer.{k}", f"needs schema_version 2 (the file says {version})", show_value=False)
     quantizer = QuantizerSettings(**q)
     b = d["bits"]
     check_keys(b, "bits", ["default"], ["rules"])
@@ -73,7 +78,10 @@ def check_stated_bpv(plan, stated) -> None:
                             "reference; delete budget.bpv to recompute it", v)
 
 
-def _schema_version(ver) -> None:
+def _schema_version(ver) -> int:
+    """The file's schema version: 1 (read as version 2 with every slot in the v1 format: fp16 min-max
+    scales and zero-points, uniform codes) or 2 (adds ``quantizer.key_scaling`` / ``value_scaling`` /
+    ``codebooks``). Writers always write the newest version."""
     if not is_int(ver):
         raise PlanError("schema_version", "must be an integer", ver)
     if ver > SCHEMA_VERSION:
@@ -81,6 +89,7 @@ def _schema_version(ver) -> None:
                         ver)
     if ver < 1:
         raise PlanError("schema_version", "must be >= 1", ver)
+    return ver
 
 
 def _geometry(m) -> Geometry:

@@ -173,6 +173,9 @@ class Plan:
                    if self.quantizer.key_correction_rank else {}),
                 **({"rotation": self.quantizer.rotation} if self.quantizer.rotation != "none" else {}),
                 **({"key_pre_rope": True} if self.quantizer.key_pre_rope else {}),
+                **({"key_scaling": self.quantizer.key_scaling, "value_scaling": self.quantizer.value_scaling}
+                   if not self.quantizer.v1_formats else {}),
+                **({"codebooks": self.quantizer.codebooks_dict()} if self.quantizer.codebooks else {}),
             },
             "bits": {"default": default, "rules": rules},
             "budget": {

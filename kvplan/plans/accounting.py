@@ -1,6 +1,7 @@
 """Honest bits-per-value accounting.
 
-Counts everything the runtime cache stores: packed codes, fp16 scales and zero-points,
+Counts everything the runtime cache stores: packed codes, scales and zero-points (each slot
+format's own bytes, :mod:`kvplan.kernels.formats`),
 full-precision (16-bit slot) tokens, and the full-precision residual of newest tokens.
 
 The commit rule (shared with the runtime, so both see the same token layout):
@@ -30,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ..kernels.qtypes import FULL_PRECISION_BITS, SCALE_BYTES, ZERO_BYTES, channel_group_size, packed_row_bytes
+from ..kernels.formats import Format
+from ..kernels.qtypes import FULL_PRECISION_BITS
 from ._checks import split_codes
 
 
@@ -158,17 +160,10 @@ class BpvBreakdown:
 
 
 def run_bytes(bits: int, axis: str, group_size: int, head_dim: int, start: int, length: int,
-              fp_bytes: int) -> tuple[int, int]:
-    """``(payload, scales_zeros)`` bytes one KV head stores for a committed run of tokens."""
-    if bits == FULL_PRECISION_BITS:
-        return length * head_dim * fp_bytes, 0
-    payload = length * packed_row_bytes(head_dim, bits)
-    if axis == "token":
-        n_scales = length * (head_dim // channel_group_size(group_size, head_dim))
-    else:
-        n_groups = -(-((start % group_size) + length) // group_size)
-        n_scales = n_groups * head_dim
-    return payload, n_scales * (SCALE_BYTES + ZERO_BYTES)
+              fp_bytes: int, fmt: Format | None = None) -> tuple[int, int]:
+    """``(payload, scales_zeros)`` bytes one KV head stores for a committed run of tokens in ``fmt``
+    (default: the v1 format at ``bits``); :meth:`kvplan.kernels.formats.Format.run_bytes`."""
+    return (fmt or Format(bits)).run_bytes(axis, group_size, head_dim, start, length, fp_bytes)
 
 
 def correction_bytes(q, start: int, length: int) -> int:
@@ -206,7 +201,8 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
                 axis = q.axis(kind)
                 for lab, start, length, sink in runs:
                     bits = FULL_PRECISION_BITS if sink else int(table[layer, head, k, plan.modalities.index(lab)])
-                    p, s = run_bytes(bits, axis, q.group_size, geometry.head_dim, start, length, fp_bytes)
+                    p, s = q.format(kind, bits).run_bytes(axis, q.group_size, geometry.head_dim, start, length,
+                                                          fp_bytes)
                     payload += p
                     scales += s
                     if not sink and corrected[layer, head, k, plan.modalities.index(lab)]:
@@ -232,6 +228,7 @@ def plan_bpv(plan, geometry, context_len: int, modality_mix, full_precision_bits
     n_values = geometry.num_kv_heads * 2 * geometry.head_dim * stored_tokens(geometry, context_len, q.group_size)
     return BpvBreakdown(8 * sum(parts.values()) / n_values,
                         *(8 * parts[k] / n_values for k in ("payload", "scales_zeros", "residual", "correction")))
+
 
 def stored_tokens(geometry, total: int, group_size: int) -> int:
     """Tokens the runtime holds summed over layers after ``total`` tokens (per KV head and kind):

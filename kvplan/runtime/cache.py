@@ -293,7 +293,8 @@ class KVPlanLayer(CacheLayerMixin):
                     bits, corrected = split_codes(code)
                     basis = self.key_basis[list(heads)] if corrected else None
                     blocks.append(PackedBlock.encode(xh, heads, bits, q.axis(kind), q.group_size, start, basis,
-                                                     q.key_correction_bits, self.rotation[kind], range_flag))
+                                                     q.key_correction_bits, self.rotation[kind], range_flag,
+                                                     q.format(kind, bits)))
                 new[kind].append((label, start, length, blocks))
         if range_flag is not None and bool(range_flag.item()):  # host sync (CUDA, once per commit; see above)
             raise ValueError("KV values exceed the fp16 range of the stored scales/zero-points; cannot quantize "

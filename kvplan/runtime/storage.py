@@ -31,6 +31,7 @@ from ..kernels import FULL_PRECISION_BITS
 from ..kernels import dequantize as _dequantize
 from ..kernels import dequantize_into as _dequantize_into
 from ..kernels import quantize as _quantize
+from ..kernels.formats import Format
 from ..kernels.rotation import Rotation
 
 
@@ -39,7 +40,9 @@ class PackedBlock:
     """Tokens ``[start, start + length)`` of some KV heads of one layer, one kind (K or V).
 
     Quantized (``bits < 16``): ``codes uint8 [B, h, T, packed_row_bytes(D, bits)]`` and
-    fp16 ``scale`` / ``zero`` laid out as in :mod:`kvplan.kernels.reference`.
+    ``scale`` / ``zero`` laid out as in :mod:`kvplan.kernels.reference`, in the dtypes of the
+    block's slot format ``fmt`` (:mod:`kvplan.kernels.formats`; ``None`` = the v1 format: fp16
+    scale and zero, uniform codes); ``zero`` is ``None`` for a symmetric format.
     Full precision (``bits == 16``): ``codes`` is the tensor ``[B, h, T, D]`` itself
     (in the cache's storage dtype); ``scale`` and ``zero`` are ``None``.
     With a key correction, ``correction`` is the code block ``[B, h, T, r]`` and ``basis``
@@ -60,6 +63,7 @@ class PackedBlock:
     basis: torch.Tensor | None = None  # fp32 [h, D, r], read-only (the plan's, not cache bytes)
     position: int = 0  # cache index of the first token (what a rotation is keyed on)
     rotation: Rotation | None = None  # codes hold rotation.forward(x) (plan constant, not cache bytes)
+    fmt: Format | None = None  # the slot format (None: v1)
     # capacity buffers behind codes / scale / zero once the block has been appended to (not
     # copied by dataclasses.replace: views made by token_range / head_range never grow)
     _buffers: dict = field(default=None, init=False, repr=False, compare=False)
@@ -67,7 +71,7 @@ class PackedBlock:
     @classmethod
     def encode(cls, x: torch.Tensor, heads, bits, axis, group_size, start: int, basis: torch.Tensor | None = None,
                correction_bits: int = 4, rotation: Rotation | None = None,
-               range_flag: torch.Tensor | None = None) -> "PackedBlock":
+               range_flag: torch.Tensor | None = None, fmt: Format | None = None) -> "PackedBlock":
         """Quantize ``x [B, h, T, D]`` (tokens starting at absolute position ``start``).
 
         With ``rotation`` the codes hold ``rotation.forward(x, start)`` (full-precision blocks
@@ -75,15 +79,17 @@ class PackedBlock:
         also stores the key correction: ``Uᵀ (x - x̂)`` quantized at ``correction_bits`` in the
         same token groups, ``x̂`` being the read after the inverse rotation. ``range_flag``: see
         :func:`kvplan.kernels.quantize` (CUDA: the fp16-range check without a host sync).
+        ``fmt``: the slot format (default v1; the correction code is always v1).
         """
         T, D = x.shape[-2], x.shape[-1]
         offset = start % group_size if axis == "channel" else 0
         if bits == FULL_PRECISION_BITS:
             return cls(tuple(heads), bits, axis, group_size, 0, T, D, x.contiguous(), position=start)
+        fmt = None if fmt is None or fmt.legacy else fmt
         codes, scale, zero = _quantize(x if rotation is None else rotation.forward(x, start), bits, group_size, axis,
-                                       offset, range_flag)
+                                       offset, range_flag, fmt)
         block = cls(tuple(heads), bits, axis, group_size, offset, T, D, codes, scale, zero, position=start,
-                    rotation=rotation)
+                    rotation=rotation, fmt=fmt)
         if basis is not None:
             if axis != "channel":
                 raise ValueError("the key correction needs channel-axis blocks")
@@ -98,9 +104,9 @@ class PackedBlock:
         """The quantized tokens read back (inverse rotation applied), without the correction."""
         if self.rotation is None:
             return _dequantize(self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
-                               self.head_dim, self.start_offset, dtype)
+                               self.head_dim, self.start_offset, dtype, self.fmt)
         y = _dequantize(self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis, self.head_dim,
-                        self.start_offset, torch.float32)
+                        self.start_offset, torch.float32, self.fmt)
         return self.rotation.inverse(y, self.position).to(dtype)
 
     def _correction_term(self) -> torch.Tensor:
@@ -122,7 +128,7 @@ class PackedBlock:
         if self.bits == FULL_PRECISION_BITS:
             return out.copy_(self.codes)
         return _dequantize_into(out, self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
-                                self.head_dim, self.start_offset)
+                                self.head_dim, self.start_offset, self.fmt)
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
         """Write the dequantized tokens into ``out [B, h, T, D]`` (a view into a read buffer)."""
@@ -132,7 +138,7 @@ class PackedBlock:
             # rotate back / add the correction in fp32, round to out's dtype once
             return out.copy_(self.decode(torch.float32))
         _dequantize_into(out, self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
-                         self.head_dim, self.start_offset)
+                         self.head_dim, self.start_offset, self.fmt)
         if self.correction is not None:
             out.add_(self._correction_term())
         return out
@@ -173,14 +179,14 @@ class PackedBlock:
             return replace(replace(self, correction=None).token_range(a, b),
                            correction=self.correction.token_range(a, b), basis=self.basis)
         if self.axis == "token":
-            return replace(self, codes=codes, scale=self.scale[:, :, a:b], zero=self.zero[:, :, a:b], length=b - a,
-                           position=position)
+            return replace(self, codes=codes, scale=self.scale[:, :, a:b], zero=_rows(self.zero, a, b),
+                           length=b - a, position=position)
         first = self.start_offset + a
         if a and first % self.group_size:
             raise ValueError(f"channel-axis token range must start on a group boundary (token {a}, offset "
                              f"{self.start_offset}, group {self.group_size})")
         g0, g1 = first // self.group_size, -(-(self.start_offset + b) // self.group_size)
-        return replace(self, codes=codes, scale=self.scale[:, :, g0:g1], zero=self.zero[:, :, g0:g1],
+        return replace(self, codes=codes, scale=self.scale[:, :, g0:g1], zero=_rows(self.zero, g0, g1),
                        start_offset=first % self.group_size, length=b - a, position=position)
 
     def token_chunks(self, chunk_tokens: int):
@@ -202,6 +208,7 @@ class PackedBlock:
         on one), so the per-group scales simply concatenate.
         """
         assert other.heads == self.heads and other.bits == self.bits and other.axis == self.axis
+        assert other.fmt == self.fmt
         assert self.axis != "channel" or other.start_offset == 0
         assert (self.correction is None) == (other.correction is None)
         assert (self.rotation is None) == (other.rotation is None)
@@ -209,6 +216,7 @@ class PackedBlock:
         self.codes = self._grow("codes", self.codes, other.codes)
         if self.scale is not None:
             self.scale = self._grow("scale", self.scale, other.scale)
+        if self.zero is not None:
             self.zero = self._grow("zero", self.zero, other.zero)
         if self.correction is not None:
             self.correction.append(other.correction)
@@ -232,8 +240,8 @@ class PackedBlock:
         return buf[:, :, : n + m]
 
     def layout(self) -> tuple:
-        """What must match for :meth:`append`: heads, bits, and whether keys carry a correction."""
-        return self.heads, self.bits, self.correction is not None
+        """What must match for :meth:`append`: heads, bits, format, and whether keys carry a correction."""
+        return self.heads, self.bits, self.fmt, self.correction is not None
 
     def tensors(self) -> list[torch.Tensor]:
         own = [t for t in (self.codes, self.scale, self.zero) if t is not None]
@@ -242,7 +250,7 @@ class PackedBlock:
     def nbytes_parts(self) -> dict[str, int]:
         """Bytes actually held: ``payload`` (codes or fp tensor), ``scales_zeros``, ``correction``
         (the key correction code with its scales and zero-points)."""
-        sz = 0 if self.scale is None else self.scale.nbytes + self.zero.nbytes
+        sz = sum(t.nbytes for t in (self.scale, self.zero) if t is not None)
         corr = 0 if self.correction is None else sum(t.nbytes for t in self.correction.tensors())
         return {"payload": self.codes.nbytes, "scales_zeros": sz, "correction": corr}
 
@@ -251,9 +259,15 @@ class PackedBlock:
         self.codes = fn(self.codes)
         if self.scale is not None:
             self.scale = fn(self.scale)
+        if self.zero is not None:
             self.zero = fn(self.zero)
         if self.correction is not None:
             self.correction.map_tensors(fn)
+
+
+def _rows(t: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+    """``t[:, :, a:b]`` (``None`` stays ``None``: a symmetric format has no zero-points)."""
+    return None if t is None else t[:, :, a:b]
 
 
 @dataclass

@@ -120,7 +120,7 @@ class BpvModel:
                         for lab, start, length, sink in runs:
                             if lab == mod and not sink:  # sink positions are a constant (see _build)
                                 p, s = run_bytes(bits, q.axis(kind), q.group_size, g.head_dim, start, length,
-                                                 fp_bytes)
+                                                 fp_bytes, q.format(kind, bits))
                                 tot += p + s + (correction_bytes(q, start, length) if corrected else 0)
                         per[k, m, ci] = 8.0 * tot / n_values
             by_start[kept] = per

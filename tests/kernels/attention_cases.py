@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import torch
 
+from kvplan.kernels.formats import Format, default_codebook
 from kvplan.kernels.rotation import Rotation, hadamard_matrix
 from kvplan.runtime.storage import PackedBlock
 
@@ -33,13 +34,24 @@ def _inv_freq(rotary_dim, theta=10000.0):
 
 def _codec(codec: str, D: int):
     """``codec``: ``"H"`` (Hadamard), ``"rope"`` (pre-RoPE keys, full rotary), ``"rope/2"`` (rotary
-    on half the channels), joined by ``+``; ``"corr"`` adds the key correction (rank 2).
+    on half the channels), joined by ``+``; ``"corr"`` adds the key correction (rank 2);
+    ``"formats"`` stores keys as Lloyd-Max min-max codes with e4m3 scales and values as Lloyd-Max
+    symmetric codes with e4m3 scales (:mod:`kvplan.kernels.formats`; see :func:`block_format`).
     Returns ``(key Rotation or None, value Rotation or None, correction rank)``."""
     parts = set(codec.split("+")) if codec else set()
     H = hadamard_matrix(D) if "H" in parts else None
     inv = _inv_freq(D) if "rope" in parts else _inv_freq(D // 2) if "rope/2" in parts else None
     k_rot = None if H is None and inv is None else Rotation(H, inv)
     return k_rot, None if H is None else Rotation(H), 2 if "corr" in parts else 0
+
+
+def block_format(codec: str, kind: str, bits: int, axis: str, D: int) -> Format | None:
+    """The slot format of a block under ``codec`` (``None``: v1)."""
+    if "formats" not in codec.split("+") or bits == 16:
+        return None
+    scaling = "minmax-e4m3" if kind == "k" else "absmax-e4m3"
+    glen = GROUP_SIZE if axis == "channel" else min(GROUP_SIZE, D)
+    return Format(bits, scaling, default_codebook(bits, scaling, glen) if bits <= 4 else None)
 
 
 def make_cache(B, Hkv, D, dtype, segments, Tr, seed, codec=""):
@@ -62,10 +74,10 @@ def make_cache(B, Hkv, D, dtype, segments, Tr, seed, codec=""):
         v = rand((B, Hkv, T, D), dtype, seed=seed + 10 * i + 1, scale=0.5)
         key_blocks.append([PackedBlock.encode(k[:, list(h)].contiguous(), h, bits, ax, GROUP_SIZE, start,
                                               basis[list(h)] if basis is not None and ax == "channel" else None,
-                                              rotation=k_rot)
+                                              rotation=k_rot, fmt=block_format(codec, "k", bits, ax, D))
                            for h, bits, ax in kspec])
         value_blocks.append([PackedBlock.encode(v[:, list(h)].contiguous(), h, bits, ax, GROUP_SIZE, start,
-                                                rotation=v_rot)
+                                                rotation=v_rot, fmt=block_format(codec, "v", bits, ax, D))
                              for h, bits, ax in vspec])
         start += T
     kr = rand((B, Hkv, Tr, D), dtype, seed=seed + 500) if Tr else None
@@ -127,9 +139,12 @@ PLANS = {
     "one-seg-no-residual": (1, [(40, [((0,), 3, "channel")], [((0,), 2, "token")])], 0),
 }
 
-CODECS = {"codec-searched": "H+rope+corr", "codec-had": "H+corr", "codec-rope-half": "rope/2+corr"}
+CODECS = {"codec-searched": "H+rope+corr", "codec-had": "H+corr", "codec-rope-half": "rope/2+corr",
+          "formats-searched": "H+rope+corr+formats", "formats-plain": "formats"}
 PLANS["codec-had"] = PLANS["mixed-2seg"]
 PLANS["codec-rope-half"] = PLANS["int4-kivi-3seg"]
+PLANS["formats-searched"] = PLANS["codec-searched"]
+PLANS["formats-plain"] = PLANS["mixed-2seg"]
 
 ATTN_CASES = {
     # id: (plan, dtype, n_rep, Tq, D, mask); the plan's codec is CODECS.get(plan, "")
@@ -146,7 +161,12 @@ ATTN_CASES = {
     "had-corr-fp16-gqa7-tq1-padfloat": ("codec-had", torch.float16, 7, 1, 64, "pad-float"),
     "rope-half-fp32-D128-causal": ("codec-rope-half", torch.float32, 1, 3, 128, "causal-float"),
     "rope-half-bf16-D128-nomask": ("codec-rope-half", torch.bfloat16, 4, 1, 128, None),
+    # slot formats of the registry (e4m3 scales, symmetric values, codebooks): chunked kernel only
+    "formats-searched-fp32-gqa3-tq1-padmask": ("formats-searched", torch.float32, 3, 1, 64, "pad-bool"),
+    "formats-plain-fp16-gqa2-tq2-floatmask": ("formats-plain", torch.float16, 2, 2, 64, "float-per-head"),
 }
+# cases the Triton kernels implement (the v1 slot format; see kvplan.runtime.load._triton_formats_problem)
+TRITON_CASES = {k: v for k, v in ATTN_CASES.items() if "formats" not in CODECS.get(v[0], "")}
 
 
 def case_cache(case, B, seed):

@@ -40,7 +40,7 @@ from kvplan.kernels.attention_reference import reference_decode_attention  # noq
 from kvplan.kernels.qtypes import packed_row_bytes  # noqa: E402
 from kvplan.runtime.storage import PackedBlock  # noqa: E402
 from tests.kernels import attention_cases  # noqa: E402
-from tests.kernels.attention_cases import ATTN_CASES, ATTN_TOL, case_cache, on_device  # noqa: E402
+from tests.kernels.attention_cases import ATTN_TOL, TRITON_CASES, case_cache, on_device  # noqa: E402
 
 if INTERPRET:
     from triton.runtime.interpreter import InterpretedFunction
@@ -212,7 +212,7 @@ def test_dequantize_matches_reference(bits, group_size, axis, dtype):
 
 
 # ----------------------------------------------------------------------------- fused attention
-@pytest.mark.parametrize("case", list(ATTN_CASES.values()), ids=list(ATTN_CASES))
+@pytest.mark.parametrize("case", list(TRITON_CASES.values()), ids=list(TRITON_CASES))
 def test_packed_decode_attention(case):
     """The fused kernel on device copies of reference-encoded blocks against the reference
     attention over the CPU blocks (no Triton op on the oracle's side)."""

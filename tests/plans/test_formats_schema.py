@@ -1,0 +1,110 @@
+"""Plan schema version 2: slot formats in the plan file, migration of version-1 files, and
+bytes held by the cache == the plan's stated bpv for every format."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import yaml
+
+import kvplan
+from kvplan import Geometry, Plan, PlanError, uniform_plan
+from kvplan.kernels.formats import default_codebook
+from kvplan.plans import _parse
+from tests.tiny_models import tiny_llama
+
+GEOM = Geometry(2, 2, 16, ("full", "full"), "llama")
+
+
+def _formats_plan(geometry=GEOM, **kw):
+    base = uniform_plan(geometry, 2, 3, group_size=32, residual_length=0, sink_length=1, **kw)
+    books = (("k", 2, default_codebook(2, "minmax-e4m3", 32)), ("v", 3, default_codebook(3, "absmax-e4m3", 16)))
+    q = dataclasses.replace(base.quantizer, key_scaling="minmax-e4m3", value_scaling="absmax-e4m3", codebooks=books)
+    return base.replace(quantizer=q)
+
+
+def test_version_2_round_trip_keeps_formats(tmp_path):
+    plan = _formats_plan()
+    path = tmp_path / "p.yaml"
+    plan.to_yaml(path)
+    doc = yaml.safe_load(path.read_text())
+    assert doc["schema_version"] == 2
+    assert doc["quantizer"]["value_scaling"] == "absmax-e4m3"
+    assert doc["quantizer"]["codebooks"]["v"][3] == list(default_codebook(3, "absmax-e4m3", 16))
+    back = Plan.from_yaml(path)
+    assert back.quantizer == plan.quantizer
+    assert back.quantizer.format("v", 3).name == "lloyd3-absmax-e4m3"
+    assert back.quantizer.format("k", 4).name == "int4-minmax-e4m3"  # no codebook at 4 bits: uniform
+    assert back.bpv().total == plan.bpv().total
+
+
+def test_version_1_file_migrates_to_v1_formats(tmp_path):
+    """A schema-1 file reads as v1 formats (fp16 min-max, uniform codes) and is written back as
+    version 2 with the same bits and bpv."""
+    plan = uniform_plan(GEOM, 2, 2, group_size=32)
+    doc = plan.to_dict()
+    doc["schema_version"] = 1
+    path = tmp_path / "v1.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    old = Plan.from_yaml(path)
+    assert old.quantizer.v1_formats and old.quantizer.format("k", 2).legacy
+    assert old.bpv() == plan.bpv()
+    assert old.to_dict()["schema_version"] == 2
+
+
+def test_version_1_file_with_version_2_keys_is_refused(tmp_path):
+    doc = _formats_plan().to_dict()
+    doc["schema_version"] = 1
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=r"quantizer\.(key_scaling|codebooks).*needs schema_version 2"):
+        Plan.from_yaml(path)
+
+
+def test_a_version_1_reader_says_newer_schema(tmp_path, monkeypatch):
+    path = tmp_path / "p.yaml"
+    _formats_plan().to_yaml(path)
+    monkeypatch.setattr(_parse, "SCHEMA_VERSION", 1)
+    with pytest.raises(PlanError, match="schema_version: is newer than this kvplan supports"):
+        Plan.from_yaml(path)
+
+
+@pytest.mark.parametrize("edit,msg", [
+    (lambda q: q.update(value_scaling="absmax-fp4"), "quantizer.value_scaling: must be one of"),
+    (lambda q: q.update(codebooks={"v": {3: [0.1, 0.2]}}), r"quantizer\.codebooks\.v\.3: a 3-bit codebook needs 8"),
+    (lambda q: q.update(codebooks={"k": {2: [0.0, 0.5, 0.4, 1.0]}}), "strictly increasing"),
+    (lambda q: q.update(codebooks={"k": {2: [-1.0, -0.5, 0.5, 1.0]}}), r"lie in \[0, 1\]"),
+    (lambda q: q.update(codebooks={"q": {2: [0.0, 0.3, 0.6, 1.0]}}), r"quantizer\.codebooks\.q: must be one of"),
+    (lambda q: q.update(codebooks={"k": {5: [0.0] * 32}}), r"quantizer\.codebooks\.k: must be one of"),
+    (lambda q: q.update(codebooks={"k": {2: [0.0, "x", 0.6, 1.0]}}), "must be a list of numbers"),
+])
+def test_bad_format_fields_name_their_key(edit, msg, tmp_path):
+    doc = _formats_plan().to_dict()
+    edit(doc["quantizer"])
+    doc["budget"].pop("bpv")
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=msg):
+        Plan.from_yaml(path)
+
+
+@pytest.mark.parametrize("n_tokens", [64, 77, 130])
+def test_cache_bytes_equal_plan_bpv_with_new_formats(n_tokens):
+    """Through kvplan.load + generate on a tiny Llama, the bytes the cache holds are the plan's bpv,
+    and the formats are what the blocks store (e4m3 scales, no value zero-points)."""
+    model = tiny_llama(head_dim=16)
+    g = Geometry.of(model)
+    plan = _formats_plan(g)
+    kvplan.load(model, plan)
+    ids = torch.randint(3, 250, (1, n_tokens), generator=torch.Generator().manual_seed(n_tokens))
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    cache = out.past_key_values
+    T = cache.get_seq_length()
+    assert cache.bpv() == plan.bpv(context_len=T, full_precision_bits=32).total  # fp32 model: 32-bit residual
+    blk_k = cache.layers[0].segments["k"][-1].blocks[0]  # (segment 0 is the full-precision sink)
+    blk_v = cache.layers[0].segments["v"][-1].blocks[0]
+    assert blk_k.scale.dtype == torch.float8_e4m3fn and blk_k.zero.dtype == torch.float16
+    assert blk_v.zero is None and blk_v.fmt.name == "lloyd3-absmax-e4m3"
+    kvplan.unload(model)
