@@ -79,6 +79,11 @@ def _cmd_search(args) -> int:
         extra["rotation"] = args.rotation
     if args.no_pre_rope_keys:
         extra["key_pre_rope"] = False
+    for name in ("key_scaling", "value_scaling"):
+        if getattr(args, name) is not None:
+            extra[name] = getattr(args, name)
+    if args.codebooks is not None:
+        extra["codebooks"] = () if args.codebooks == "none" else tuple(args.codebooks.split(","))
     result = search(model=args.model, budget=budgets, granularity=args.granularity, n_trials=args.trials,
                     seed=args.seed, storage=storage, study_name=args.study_name, out=args.out,
                     scorer=scorers.calibration, validation_scorer=scorers.validation, test_scorer=scorers.test,
@@ -257,6 +262,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-pre-rope-keys", action="store_true",
                    help="quantize keys as the model caches them (after RoPE) instead of rotated back to the "
                         "pre-RoPE frame")
+    from .kernels.formats import SCALINGS
+    from .search.space import DEFAULT_FORMATS
+
+    for kind in ("key", "value"):
+        s.add_argument(f"--{kind}-scaling", choices=sorted(SCALINGS), default=None,
+                       help=f"what each {kind} group stores besides its codes (default: "
+                            f"{DEFAULT_FORMATS[kind + '_scaling']}; see kvplan.kernels.formats)")
+    s.add_argument("--codebooks", choices=["none", "k", "v", "k,v"], default=None,
+                   help="kinds coded with Lloyd-Max levels instead of uniform ones (default: "
+                        f"{','.join(DEFAULT_FORMATS['codebooks']) or 'none'})")
     s.add_argument("--out", default="plan.yaml", help="plan file to write (atomically); history saved beside it")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=_cmd_search)

@@ -75,7 +75,7 @@ from .budget import (
 )
 from .key_basis import query_basis
 from .sensitivity import DEFAULT_HEAD_UNITS, correction_factor, run_profile, slot_sensitivity
-from .space import (DEFAULT_BITS, DEFAULT_GROUP_SIZES, DEFAULT_KEY_AXES, DEFAULT_KEY_CORRECTION_RANK,
+from .space import (DEFAULT_BITS, DEFAULT_FORMATS, DEFAULT_GROUP_SIZES, DEFAULT_KEY_AXES, DEFAULT_KEY_CORRECTION_RANK,
                     DEFAULT_RESIDUAL_LENGTHS,
                     DEFAULT_SINK_LENGTHS, SearchSpace)
 from ..errors import describe
@@ -607,6 +607,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            residual_lengths: Sequence[int] = DEFAULT_RESIDUAL_LENGTHS, key_axes: Sequence[str] = DEFAULT_KEY_AXES,
            sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS, key_correction_rank: int | None = None,
            key_correction_bits: int = 4, rotation: str | None = None, key_pre_rope: bool | None = None,
+           key_scaling: str | None = None, value_scaling: str | None = None, codebooks: Sequence[str] | None = None,
            pareto: bool = False, profile: bool | Mapping[str, float] = True,
            profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
            surrogate_offset: bool = True,
@@ -642,7 +643,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     ``rotation``: ``"hadamard"`` / ``"none"`` for every searched plan (``None``: Hadamard when
     head_dim is a power of two). ``key_pre_rope``: quantize keys rotated back to the pre-RoPE
     frame with the model's RoPE frequencies (``None``: when the scorer's model has them); see
-    :mod:`kvplan.kernels.rotation`.
+    :mod:`kvplan.kernels.rotation`. ``key_scaling`` / ``value_scaling`` / ``codebooks``: the slot
+    formats of every searched plan (:mod:`kvplan.kernels.formats`: ``"minmax-fp16"``,
+    ``"minmax-e4m3"``, ``"absmax-e4m3"``; ``codebooks`` the kinds, of ``"k"`` / ``"v"``, coded with
+    Lloyd-Max levels); ``None``: ``DEFAULT_FORMATS``.
 
     ``surrogate``: screen candidates with the random forest (``False``: every proposal is
     evaluated). ``surrogate_offset``: the forest learns log-KL minus the log of the profile's
@@ -700,10 +704,15 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         raise KVPlanError("key_pre_rope needs the model's RoPE frequencies: pass a loaded RoPE model (or a scorer "
                           "with .model), or key_pre_rope=False")
 
+    key_scaling = DEFAULT_FORMATS["key_scaling"] if key_scaling is None else key_scaling
+    value_scaling = DEFAULT_FORMATS["value_scaling"] if value_scaling is None else value_scaling
+    codebooks = tuple(DEFAULT_FORMATS["codebooks"] if codebooks is None else codebooks)
+
     def make_space(key_basis):
         return SearchSpace(geometry, modalities, granularity, bits, group_sizes, residual_lengths, key_axes,
                            sink_lengths=sink_lengths, key_basis=key_basis, key_correction_bits=key_correction_bits,
-                           rotation=rotation, rope_inv_freq=inv_freq if key_pre_rope else None)
+                           rotation=rotation, rope_inv_freq=inv_freq if key_pre_rope else None,
+                           key_scaling=key_scaling, value_scaling=value_scaling, codebooks=codebooks)
 
     BpvModel(make_space(None), reference).check_budget(min(budgets))  # before any study or basis work
     data_hash = getattr(scorer, "data_hash", None)
@@ -742,7 +751,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                   "residual_lengths": list(residual_lengths), "key_axes": list(key_axes),
                   "sink_lengths": list(sink_lengths), "key_correction_rank": int(key_correction_rank),
                   "key_correction_bits": int(key_correction_bits), "rotation": rotation,
-                  "key_pre_rope": bool(key_pre_rope)}})
+                  "key_pre_rope": bool(key_pre_rope), "key_scaling": key_scaling, "value_scaling": value_scaling,
+                  "codebooks": list(codebooks)}})
     _check_identity(study, identity, study_name, label)
     owner = {**owner_attrs(), "worker": worker, "data_hash": data_hash}
     hb = Heartbeat(st)

@@ -28,6 +28,7 @@ import numpy as np
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 
 from ..errors import KVPlanError
+from ..kernels.formats import default_codebook
 from ..kernels.qtypes import FULL_PRECISION_BITS, GROUP_SIZES, SUPPORTED_BITS
 from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
@@ -45,6 +46,12 @@ DEFAULT_SINK_LENGTHS = (0, 1, 4)
 # chosen on the validation split: the default search at 2.5 bpv reached validation KL 0.0679 with rank 2
 # vs 0.0776 with rank 0 (bench/results/key_correction_rank/; ranks 1 and 4 not re-run on validation)
 DEFAULT_KEY_CORRECTION_RANK = 2
+# slot formats (kvplan.kernels.formats) of every searched plan, chosen on the validation split by
+# bench/codec_formats.py (bench/results/codec_formats.md): keys in the v1 format (a Lloyd-Max
+# codebook lowers their MSE but raises the KL: it clips each group's extremes, the keys that
+# draw attention), values symmetric with e4m3 scales and Lloyd-Max levels (1 byte per group
+# instead of 4, at a lower KL than the v1 format)
+DEFAULT_FORMATS = {"key_scaling": "minmax-fp16", "value_scaling": "absmax-e4m3", "codebooks": ("v",)}
 # searched parameter name -> QuantizerSettings field
 Q_FIELDS = {"q.group_size": "group_size", "q.key_axis": "key_axis", "q.residual_length": "residual_length",
             "q.sink_length": "sink_length"}
@@ -75,7 +82,8 @@ class SearchSpace:
                  key_axes: Sequence[str] = DEFAULT_KEY_AXES, value_axis: str = "token",
                  sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS, pairs: Sequence[tuple[int, int]] = KVTUNER_PAIRS,
                  key_basis=None, key_correction_bits: int = 4, rotation: str = "none",
-                 rope_inv_freq: Sequence[float] | None = None):
+                 rope_inv_freq: Sequence[float] | None = None, key_scaling: str = "minmax-fp16",
+                 value_scaling: str = "minmax-fp16", codebooks: Sequence[str] = ()):
         if granularity not in GRANULARITIES:
             raise KVPlanError(f"granularity {granularity!r} is not one of {list(GRANULARITIES)}")
         bits = tuple(sorted(set(int(b) for b in bits)))
@@ -108,8 +116,13 @@ class SearchSpace:
         # pre-RoPE frame when the model's RoPE frequencies are given
         # one list, or a dict layer type -> list (several RoPE bases, kvplan.plans._rope)
         self.rope_inv_freq = None if rope_inv_freq is None else as_floats(normalize_rope_inv_freq(rope_inv_freq))
-        self.fixed_fields = {**self.key_correction, "rotation": rotation, "key_pre_rope": rope_inv_freq is not None}
-        QuantizerSettings(**self.fixed_fields)  # validates rotation
+        self.fixed_fields = {**self.key_correction, "rotation": rotation, "key_pre_rope": rope_inv_freq is not None,
+                             "key_scaling": key_scaling, "value_scaling": value_scaling}
+        QuantizerSettings(**self.fixed_fields)  # validates rotation and scalings
+        # kinds whose quantized bits get Lloyd-Max codebooks (fitted per group length: codebooks_for)
+        self.codebook_kinds = tuple(k for k in ("k", "v") if k in tuple(codebooks))
+        if len(self.codebook_kinds) != len(tuple(codebooks)):
+            raise KVPlanError(f"codebooks {list(codebooks)} must name kinds among ['k', 'v']")
         if rotation == "hadamard" and not hadamard_fits(geometry.head_dim):
             raise KVPlanError(f"rotation 'hadamard' needs a power-of-two head_dim; this model's is {geometry.head_dim} "
                               "(use rotation='none')")
@@ -169,10 +182,23 @@ class SearchSpace:
         return {"q.group_size": self.group_sizes, "q.key_axis": self.key_axes,
                 "q.residual_length": self.residual_lengths, "q.sink_length": self.sink_lengths}
 
+    def codebooks_for(self, group_size: int, key_axis: str) -> tuple:
+        """The plan constant ``quantizer.codebooks`` at this group size: Lloyd-Max levels
+        (:func:`kvplan.kernels.formats.default_codebook`) for every quantized bit width of the space
+        up to 4 bits, for each kind in ``codebook_kinds``, fitted to that kind's group length."""
+        D = self.geometry.head_dim
+        out = []
+        for kind in self.codebook_kinds:
+            axis = key_axis if kind == "k" else self.value_axis
+            glen = group_size if axis == "channel" else min(group_size, D)
+            scaling = self.fixed_fields["key_scaling" if kind == "k" else "value_scaling"]
+            out += [(kind, b, default_codebook(b, scaling, glen)) for b in self.bits if b <= 4]
+        return tuple(out)
+
     def quantizers(self) -> list[QuantizerSettings]:
         """Every plan-wide quantizer setting the space allows."""
         return [QuantizerSettings(group_size=g, key_axis=a, value_axis=self.value_axis, residual_length=r,
-                                  sink_length=s, **self.fixed_fields)
+                                  sink_length=s, codebooks=self.codebooks_for(g, a), **self.fixed_fields)
                 for g, a, r, s in itertools.product(self.group_sizes, self.key_axes, self.residual_lengths,
                                                     self.sink_lengths)]
 
@@ -201,7 +227,8 @@ class SearchSpace:
     def quantizer_of(self, params: Mapping) -> QuantizerSettings:
         choices = self.q_choices
         fields = {f: params.get(name, choices[name][0]) for name, f in Q_FIELDS.items()}
-        return QuantizerSettings(value_axis=self.value_axis, **fields, **self.fixed_fields)
+        return QuantizerSettings(value_axis=self.value_axis, **fields, **self.fixed_fields,
+                                 codebooks=self.codebooks_for(fields["group_size"], fields["key_axis"]))
 
     def table_of_levels(self, levels: Sequence[int]) -> np.ndarray:
         flat = np.empty(int(np.prod(self.shape)), dtype=np.int64)
@@ -238,6 +265,7 @@ class SearchSpace:
         return (q.value_axis == self.value_axis
                 and q.key_correction_rank == self.key_correction.get("key_correction_rank", 0)
                 and all(getattr(q, f) == v for f, v in self.fixed_fields.items())
+                and q.codebooks == self.codebooks_for(q.group_size, q.key_axis)
                 and all(getattr(q, f) in self.q_choices[name] for name, f in Q_FIELDS.items()))
 
     def plan_of(self, params: Mapping, reference: Reference, **kwargs) -> Plan:
@@ -257,6 +285,9 @@ class SearchSpace:
                 "residual_lengths": list(self.residual_lengths), "sink_lengths": list(self.sink_lengths),
                 "key_axes": list(self.key_axes), "key_correction": self._describe_correction(),
                 "rotation": self.fixed_fields["rotation"], "key_pre_rope": self.fixed_fields["key_pre_rope"],
+                "formats": {"key_scaling": self.fixed_fields["key_scaling"],
+                            "value_scaling": self.fixed_fields["value_scaling"],
+                            "codebooks": list(self.codebook_kinds)},
                 "value_axis": self.value_axis, "modalities": list(self.modalities), "shape": list(self.shape),
                 "n_params": len(self.distributions()), "pairs": [list(p) for p in self.pairs]}
 

@@ -66,10 +66,19 @@ def test_parse_budget_rejects(bad):
         parse_budget(bad)
 
 
+FORMAT_SPACES = {"v1": {}, "formats": {"key_scaling": "minmax-e4m3", "value_scaling": "absmax-e4m3",
+                                       "codebooks": ("k", "v")}}
+
+
+@pytest.mark.parametrize("formats", list(FORMAT_SPACES))
 @pytest.mark.parametrize("granularity", ["slot", "layer_kv", "kvtuner"])
-def test_bpv_model_equals_accounting(granularity):
+def test_bpv_model_equals_accounting(granularity, formats):
     # sink lengths inside the first group, across a group and across the text/doc boundary (64)
-    sp = SearchSpace(GEOM, MODS, granularity, key_axes=("channel", "token"), sink_lengths=(0, 3, 70))
+    sp = SearchSpace(GEOM, MODS, granularity, key_axes=("channel", "token"), sink_lengths=(0, 3, 70),
+                     **FORMAT_SPACES[formats])
+    if formats != "v1":  # every quantizer of the space carries its formats and group-length codebooks
+        assert all(q.value_scaling == "absmax-e4m3" and len(q.codebooks) == 6 for q in sp.quantizers())
+        assert all(sp.contains_quantizer(q) for q in sp.quantizers())
     model = BpvModel(sp, REF)
     rng = np.random.default_rng(1)
     for q in sp.quantizers():
