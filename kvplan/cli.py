@@ -233,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="history length of each sample of the built-in task")
     s.add_argument("--eval-tokens", type=_positive, default=32,
                    help="evaluated tokens after each history (built-in task)")
-    s.add_argument("--storage", help="Optuna storage: journal file path, sqlite:///file.db or an RDB URL")
+    s.add_argument("--storage", help="Optuna storage shared by the workers of a study: a journal file path "
+                   "(one machine), sqlite:///file.db, or postgresql://user@host:5432/db (several machines; "
+                   "pip install 'kvplan[postgres]')")
     s.add_argument("--study-name", help="study to create, join (parallel workers) or resume")
     s.add_argument("--worker", type=_non_negative, help="worker index when several processes share a study "
                    "(seeds its sampler; each worker of a study should have its own)")

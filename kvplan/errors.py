@@ -88,3 +88,8 @@ class ModelLoadError(KVPlanError):
 
 class CacheError(KVPlanError, RuntimeError):
     """The quantized cache was asked to do something it cannot do correctly."""
+
+
+class StorageError(KVPlanError):
+    """The study storage named by the user (``--storage``) cannot be opened: its driver is
+    missing, the URL is malformed, the server is unreachable or the file cannot be created."""

@@ -4,14 +4,18 @@ The flow (one worker; several workers run the same loop on one shared study):
 
 1. **Space and budget.** Build the :class:`SearchSpace`; parse the budget (honest bpv at
    the reference); fail at once when the budget is below the cheapest reachable plan.
-2. **Sensitivity profile** (``profile=True``): KL with one (layer, kind) unit at the lowest
-   bits, the rest full precision (see :mod:`.sensitivity`). Stored on the study, reused.
+2. **Shared setup** (once per study, by one worker: :func:`._workers.run_once`): the
+   key-correction bases and the **sensitivity profile** (``profile=True``: KL with one
+   (layer, kind) unit at the lowest bits, the rest full precision, see :mod:`.sensitivity`),
+   stored on the study; other workers wait for them and reuse them, as does a resume.
 3. **Seeds** (once per study): the knapsack allocation from the profile for every feasible
    quantizer setting, the greedy top-down repair of the all-high table, and the baselines
    that fit (uniform ``KbVb`` plans at every group size/residual that fits, e.g.
    ``int2-g128-r0``, ``k4v2``...). They are ``enqueue_trial``-ed, so they are ordinary trials.
-4. **Rounds** until the study holds ``n_trials`` COMPLETE trials (a total over all workers
-   and resumes; every COMPLETE trial is one real evaluation):
+4. **Rounds** until the study holds exactly ``n_trials`` COMPLETE trials (a total over all
+   workers and resumes; every COMPLETE trial is one real evaluation; each evaluation first
+   takes a slot with :func:`._workers.reserve`, so no plan is measured twice and the total is
+   never exceeded; a dead worker's slot is freed by the heartbeat and its trial queued again):
 
    - while enqueued trials wait, or fewer than ``n_startup`` trials are complete, or the
      surrogate is off: ``ask`` one trial, repair, evaluate, tell;
@@ -31,12 +35,15 @@ The flow (one worker; several workers run the same loop on one shared study):
    record of what was screened stays in the study. Mutation candidates that are not chosen
    are never asked (so they leave no trace).
 
-5. **Result.** Best COMPLETE trial (single objective), or the Pareto front of (KL, bpv) and
-   the best plan under each budget (``budget=[...]`` / ``pareto=True``). Each chosen plan is
-   re-measured by the held-out scorer; metrics + honest bpv go into the plan, written with
-   ``plan.to_yaml(out)`` (atomic), beside it ``<stem>.trials.csv`` (every COMPLETE trial,
-   with its full bit table) and ``<stem>.search.json`` (space, budget, profile, curve,
-   Pareto front, baselines) for ``kvplan explain``.
+5. **Result** (once per study, by the first worker to find it complete, or by
+   ``finalize=True``). Best COMPLETE trial (single objective), or the Pareto front of (KL, bpv)
+   and the best plan under each budget (``budget=[...]`` / ``pareto=True``). Each chosen plan is
+   re-measured by the validation and test scorers; metrics + honest bpv go into the plan,
+   written with ``<stem>.trials.csv`` (every COMPLETE trial, its full bit table, the host and
+   pid that measured it) and ``<stem>.search.json`` (space, budget, profile, curve, Pareto
+   front, baselines) as one set (:func:`kvplan.plans._files.write_file_set`) sharing one
+   ``run_id``, so ``kvplan explain`` can tell a plan beside another run's sidecars. The
+   other workers return the same plans (``SearchResult.finalized_by`` names who wrote them).
 
 Same seed -> same plan (in memory, or with a storage and an explicit ``worker`` id; workers
 without an id on a persistent storage mix the process id into the sampler seed so that they
@@ -651,6 +658,12 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     ``surrogate``: screen candidates with the random forest (``False``: every proposal is
     evaluated). ``surrogate_offset``: the forest learns log-KL minus the log of the profile's
     additive damage estimate instead of log-KL itself (see :class:`ForestSurrogate`).
+
+    ``worker``: this process's index among the workers of a shared study (seeds its sampler).
+    ``heartbeat_interval`` / ``grace_period`` (seconds, RDB storages): a worker records a
+    heartbeat for every trial it holds; a trial without one for ``grace_period`` is failed and
+    queued again (see :mod:`.storage`). ``finalize``: only choose, measure and export the final
+    plan(s) of an existing study (``storage`` and ``study_name``), with no new trials.
 
     Returns a :class:`SearchResult`; ``result.plan`` is the exported plan.
     """

@@ -35,15 +35,14 @@ import warnings
 import optuna
 from optuna.trial import TrialState
 
-from ..errors import KVPlanError, one_line
+from ..errors import StorageError, one_line
 
 JOURNAL_SUFFIXES = (".journal", ".log", ".jsonl")
 DEFAULT_HEARTBEAT_S = 10  # seconds between two heartbeats of a held trial (RDB storages)
 DEFAULT_GRACE_S = 60  # a RUNNING trial without a heartbeat for this long is failed (and retried)
 
-
-class StorageError(KVPlanError):
-    """The study storage named by the user cannot be opened (driver, URL, server, permissions)."""
+__all__ = ["DEFAULT_GRACE_S", "DEFAULT_HEARTBEAT_S", "Heartbeat", "RetryStale", "StorageError", "describe_storage",
+           "fail_orphaned_trials", "make_storage", "redact"]
 
 
 def redact(url: str) -> str:

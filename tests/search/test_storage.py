@@ -185,6 +185,7 @@ class TestStorageContract:
     ("sqlite:////dev/null/x.db", "cannot create folder"),
     ("sqlite:////", "cannot open the database"),  # the root folder itself
     ("study.txt", "journal file path"),
+    ("mysql://u@127.0.0.1:1/db", "driver is not installed"),  # mysqlclient is not installed here
 ])
 def test_unusable_storage_is_one_line(url, fragment):
     with pytest.raises(StorageError) as e:
@@ -218,3 +219,21 @@ def test_finalize_and_resume_with_more_trials(tmp_path):
     assert r4.plan.metrics["search"]["n_trials"] == 8 and (tmp_path / "more.yaml").exists()
     with pytest.raises(KVPlanError, match="no such study"):
         search(n_trials=5, scorer=SyntheticScorer(), out=None, finalize=True, **{**fast, "study_name": "nope"})
+
+
+def test_missing_postgres_driver_is_one_line_with_the_extra_to_install(monkeypatch):
+    for name in ("psycopg", "psycopg2"):
+        monkeypatch.setitem(sys.modules, name, None)  # import psycopg -> ImportError
+    with pytest.raises(StorageError) as e:
+        make_storage("postgresql://kvplan@127.0.0.1:1/db")
+    assert "driver is not installed" in str(e.value) and "kvplan[postgres]" in str(e.value)
+
+
+def test_cli_checks_the_storage_before_the_model_loads():
+    exe = os.path.join(os.path.dirname(sys.executable), "kvplan")
+    # a model that cannot load: had the model come first, its error would be the one reported
+    r = subprocess.run([exe, "search", "--model", "/nonexistent/model", "--storage",
+                        "postgresql://kvplan@127.0.0.1:1/db", "--study-name", "s", "--trials", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert r.stderr.startswith("kvplan: error: --storage postgresql://kvplan@127.0.0.1:1/db: cannot open")
