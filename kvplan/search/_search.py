@@ -86,7 +86,6 @@ from .space import (DEFAULT_BITS, DEFAULT_FORMATS, DEFAULT_GROUP_SIZES, DEFAULT_
                     DEFAULT_RESIDUAL_LENGTHS,
                     DEFAULT_SINK_LENGTHS, SearchSpace)
 from ..errors import describe
-from ..plans import KeyBasis
 from ..plans._files import write_file_set
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
                        run_once, tell)
@@ -822,10 +821,10 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
         basis = None
         if key_correction_rank:
             if "kvplan.key_basis" in attrs and attrs["kvplan.key_basis"] is not None:
-                basis = KeyBasis(decode_array(attrs["kvplan.key_basis"]))
-            else:
+                basis = decode_array(attrs["kvplan.key_basis"])
+            else:  # float32 [L, H_kv, D, r]; every worker uses these exact bytes
                 basis = query_basis(scorer.model, scorer.calibration_sequences(), key_correction_rank)
-        study.set_user_attr("kvplan.key_basis", encode_array(basis.array) if basis is not None else None)
+        study.set_user_attr("kvplan.key_basis", encode_array(np.asarray(basis)) if basis is not None else None)
         space = make_space(basis)
         prof = attrs.get("kvplan.profile")
         if isinstance(profile, Mapping):
@@ -863,7 +862,7 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
     run_once(study, "setup", "kvplan.ready", setup, owner, hb, persistent, on_wait=waiting_for("sensitivity profile"))
     attrs = study.user_attrs
     basis_attr = attrs.get("kvplan.key_basis")
-    space = make_space(KeyBasis(decode_array(basis_attr)) if basis_attr else None)
+    space = make_space(decode_array(basis_attr) if basis_attr else None)
     bmodel = BpvModel(space, reference)
     for b in budgets:
         bmodel.check_budget(b)
