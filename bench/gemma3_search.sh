@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The issue-19 benchmark: the default search on Gemma-3-270M (GGUF), timed, with the load average
+# before and after (the build box is shared: say what else ran). Usage (repo root, venv built):
+#   OMP_NUM_THREADS=1 bash bench/gemma3_search.sh [OUT_DIR]   (default bench/results/gemma3)
+# Writes OUT_DIR/plan.yaml (+ .trials.csv / .search.json), search.log, time.txt, run.txt.
+set -euo pipefail
+OUT=${1:-bench/results/gemma3}
+mkdir -p "$OUT"
+GGUF=$(.venv/bin/python -c "from kvplan.models.loading import gemma3_model_path; import os; print(os.path.join(*gemma3_model_path()))")
+COMMIT=${KVPLAN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+CMD=(.venv/bin/kvplan search --model "$GGUF" --budget 2.5bpv --out "$OUT/plan.yaml")
+{
+  echo "commit: $COMMIT"
+  echo "command: OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} ${CMD[*]}"
+  echo "start: $(date -u +%FT%TZ)  load average: $(cut -d' ' -f1-3 /proc/loadavg)  cores: $(nproc)"
+} > "$OUT/run.txt"
+/usr/bin/time -v -o "$OUT/time.txt" "${CMD[@]}" > "$OUT/search.log" 2>&1 && rc=0 || rc=$?
+{
+  echo "end: $(date -u +%FT%TZ)  load average: $(cut -d' ' -f1-3 /proc/loadavg)  rc: $rc"
+  grep -E "Elapsed \(wall|Maximum resident" "$OUT/time.txt"
+} >> "$OUT/run.txt"
