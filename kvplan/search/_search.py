@@ -215,6 +215,7 @@ class _Searcher:
         self.owner = owner or owner_attrs()
         self.mine: set[int] = set()  # trial ids this worker holds (RUNNING)
         self._keys: dict[int, str] = {}  # trial id -> plan key of COMPLETE trials
+        self.check_identity = None  # attrs -> None, raises when the study is another setup's
 
     # ---------------------------------------------------------------- bookkeeping
     def complete(self) -> list[optuna.trial.FrozenTrial]:
@@ -517,7 +518,10 @@ class _Searcher:
             while True:
                 if self.persistent:
                     fail_orphaned_trials(self.study)  # a dead worker's trials go back to the queue
-                    if self.study.user_attrs.get("kvplan.exhausted"):
+                    attrs = self.study.user_attrs
+                    if self.check_identity is not None:
+                        self.check_identity(attrs)  # two first workers with other setups wrote at once
+                    if attrs.get("kvplan.exhausted"):
                         break
                 n = self.complete_count()
                 if n >= self.n_trials:
@@ -783,8 +787,8 @@ def locals_for_run(ns: dict) -> dict:
     return {k: ns[k] for k in keys}
 
 
-def _check_identity(study: optuna.Study, identity: dict, study_name: str, label) -> None:
-    old = study.user_attrs.get("kvplan.identity")
+def _check_identity(study: optuna.Study, identity: dict, study_name: str, label, attrs=None) -> None:
+    old = (study.user_attrs if attrs is None else attrs).get("kvplan.identity")
     if old is None:
         study.set_user_attr("kvplan.identity", identity)
         return
@@ -883,6 +887,7 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
                   n_local=n_local, top_k=top_k, n_startup=n_startup, kappa=kappa, persistent=persistent,
                   progress=progress, profile=prof, multi=multi, prior_offset=surrogate_offset, heartbeat=hb,
                   owner=owner)
+    s.check_identity = lambda attrs: _check_identity(study, identity, study_name, label, attrs)
     if not finalize:
         run_once(study, "seed", "kvplan.seeded", lambda: s.enqueue_seeds(baselines), owner, hb, persistent)
         s.run()
