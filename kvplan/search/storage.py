@@ -262,7 +262,7 @@ def _alive(pid: int) -> bool:
 # it started was asked by a process killed before recording it (a live worker records its
 # owner right after ``ask``). On heartbeat storages only trials that never got a heartbeat
 # are judged this way, with the much longer grace period.
-UNOWNED_GRACE_S = 2.0
+UNOWNED_GRACE_S = 30.0  # long enough for two appends to a journal on a slow NFS; such a trial holds no slot
 
 
 def fail_orphaned_trials(study: optuna.Study, grace_s: float | None = None) -> int:

@@ -237,3 +237,58 @@ def test_cli_checks_the_storage_before_the_model_loads():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
     assert r.stderr.startswith("kvplan: error: --storage postgresql://kvplan@127.0.0.1:1/db: cannot open")
+
+
+def _held_trial(study, owner, params=True, role=None):
+    dists = {"x": optuna.distributions.IntDistribution(0, 9)}
+    attrs = {"kvplan.owner": owner} if owner else {}
+    if role:
+        attrs["kvplan.role"] = role
+    study.add_trial(optuna.trial.create_trial(state=TrialState.RUNNING, params={"x": 3} if params else {},
+                                              distributions=dists if params else {}, user_attrs=attrs))
+    return study.trials[-1]
+
+
+def test_journal_fails_dead_owners_and_requeues_evaluations(tmp_path):
+    from kvplan.search.storage import HOST, fail_orphaned_trials
+
+    study = optuna.create_study(storage=make_storage(str(tmp_path / "o.journal")), study_name="o")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = _held_trial(study, {"host": HOST, "pid": dead.pid})
+    claim = _held_trial(study, {"host": HOST, "pid": dead.pid}, params=False, role="profile-claim")
+    live = _held_trial(study, {"host": HOST, "pid": os.getpid()})
+    elsewhere = _held_trial(study, {"host": "another-machine", "pid": dead.pid})  # pids of other hosts: unknown
+    unowned = _held_trial(study, None)
+    assert fail_orphaned_trials(study, grace_s=3600) == 2  # the unowned one is not old enough yet
+    states = {t.number: t.state for t in study.trials}
+    assert states[gone.number] == states[claim.number] == TrialState.FAIL
+    assert states[live.number] == states[elsewhere.number] == states[unowned.number] == TrialState.RUNNING
+    (retry,) = study.get_trials(states=(TrialState.WAITING,))  # the evaluation again, not the claim
+    assert retry.params == {"x": 3} and retry.system_attrs["failed_trial"] == gone.number
+    assert "kvplan.owner" not in retry.user_attrs
+    time.sleep(0.1)
+    assert fail_orphaned_trials(study, grace_s=0.05) == 1
+    assert study.trials[unowned.number].state == TrialState.FAIL
+
+
+def test_rdb_heartbeat_fails_stale_trials_from_any_host(tmp_path):
+    from kvplan.search.storage import Heartbeat, fail_orphaned_trials
+
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    st = make_storage(url, heartbeat_interval=1, grace_period=2)
+    study = optuna.create_study(storage=st, study_name="h")
+    hb = Heartbeat(st)
+    try:
+        stale = _held_trial(study, {"host": "another-machine", "pid": 1})
+        st.record_heartbeat(stale._trial_id)  # one heartbeat, then its worker died
+        kept = _held_trial(study, {"host": "another-machine", "pid": 1})
+        hb.hold(kept._trial_id)  # a live worker keeps beating
+        time.sleep(3.5)
+        assert fail_orphaned_trials(study) == 1
+        assert study.trials[stale.number].state == TrialState.FAIL
+        assert study.trials[kept.number].state == TrialState.RUNNING
+        (retry,) = study.get_trials(states=(TrialState.WAITING,))
+        assert retry.system_attrs["failed_trial"] == stale.number
+    finally:
+        hb.close()
