@@ -12,7 +12,7 @@ CMD=(.venv/bin/kvplan search --model "$GGUF" --budget 2.5bpv --out "$OUT/plan.ya
 {
   echo "commit: $COMMIT"
   echo "command: OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} ${CMD[*]}"
-  echo "start: $(date -u +%FT%TZ)  load average: $(cut -d' ' -f1-3 /proc/loadavg)  cores: $(nproc)"
+  echo "start: $(date -u +%FT%TZ)  load average: $(cut -d' ' -f1-3 /proc/loadavg)  cores: $(nproc --all)"
 } > "$OUT/run.txt"
 /usr/bin/time -v -o "$OUT/time.txt" "${CMD[@]}" > "$OUT/search.log" 2>&1 && rc=0 || rc=$?
 {
