@@ -63,6 +63,12 @@ def _header(rep: dict, L: list[str]) -> None:
         L.append(f"key correction: key slots marked 'correct' also store a rank-{q['key_correction_rank']} "
                  f"{q['key_correction_bits']}-bit code of their error in per-head query bases learned on the "
                  "calibration data (HeadQ-style)")
+    if q.get("key_scaling") or q.get("codebooks"):  # schema-2 slot formats (kvplan.kernels.formats)
+        books = q.get("codebooks") or {}
+        L.append("slot formats: " + "; ".join(
+            f"{name} {q.get(kind + '_scaling', 'minmax-fp16')}"
+            + (f", Lloyd-Max codebooks at {sorted(books[kind[0]])} bits" if kind[0] in books else ", uniform levels")
+            for kind, name in (("key", "keys"), ("value", "values"))))
     rot = [w for w, on in (("a Hadamard rotation of quantized K and V", q.get("rotation") == "hadamard"),
                            ("keys rotated back to the pre-RoPE frame", q.get("key_pre_rope"))) if on]
     if rot:

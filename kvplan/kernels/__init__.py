@@ -69,23 +69,20 @@ def quantize(x, bits, group_size, axis, start_offset=0, range_flag=None, fmt=Non
 def dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset=0, dtype=torch.float16,
                fmt=None):
     """Unpack and dequantize to ``[B, h, T, D]`` in ``dtype`` (``fmt``: see :func:`quantize`)."""
-    if fmt is not None and not fmt.legacy:
-        return reference.dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, dtype, fmt)
     if _use_triton(packed):
         from . import triton_kernels
 
-        return triton_kernels.dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, dtype)
-    return reference.dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, dtype)
+        return triton_kernels.dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, dtype,
+                                         fmt)
+    return reference.dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, dtype, fmt)
 
 
 def dequantize_into(out, packed, scale, zero, bits, group_size, axis, head_dim, start_offset=0, fmt=None):
     """:func:`dequantize` written into ``out [B, h, T, D]`` (may be a view into a larger buffer)."""
-    if fmt is not None and not fmt.legacy:
-        return reference.dequantize_into(out, packed, scale, zero, bits, group_size, axis, head_dim, start_offset,
-                                         fmt)
     if _use_triton(packed):
-        return out.copy_(dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, out.dtype))
-    return reference.dequantize_into(out, packed, scale, zero, bits, group_size, axis, head_dim, start_offset)
+        return out.copy_(dequantize(packed, scale, zero, bits, group_size, axis, head_dim, start_offset, out.dtype,
+                                    fmt))
+    return reference.dequantize_into(out, packed, scale, zero, bits, group_size, axis, head_dim, start_offset, fmt)
 
 
 def decode_attention(q, key_blocks, value_blocks, key_residual, value_residual, attn_mask=None, sm_scale=None):

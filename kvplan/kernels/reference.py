@@ -22,7 +22,8 @@ Layout contract (the Triton kernels in ``triton_kernels.py`` produce exactly thi
 That is the v1 format. Other formats of the registry (:mod:`kvplan.kernels.formats`: e4m3
 scales, symmetric groups without a zero-point, codebooks) keep the same code packing and the
 same scale / zero shapes, with their own dtypes (``zero`` is ``None`` when symmetric); they
-decode as ``zero + scale * L[code]``. The Triton kernels implement the v1 format only.
+decode as ``zero + scale * L[code]``. The Triton decode kernels read every format; the Triton encode
+kernels write the v1 format only (the others are encoded by this module, on any device).
 """
 
 from __future__ import annotations
@@ -308,6 +309,8 @@ def dequantize_into(
             s_, z_ = s_.unsqueeze(3), None if z_ is None else z_.unsqueeze(3)
         if z_ is None:
             o.mul_(s_)
+        elif levels is not None:  # two roundings, as the Triton kernel: addcmul fuses them (integer codes
+            o.mul_(s_).add_(z_)  # times an fp16 scale are exact either way, codebook levels are not)
         else:
             torch.addcmul(z_, o, s_, out=o)
 

@@ -249,10 +249,21 @@ def _quantize_channel_kernel(
 
 # ============================================================================ dequantize kernel
 @triton.jit
+def _e4m3_to_f32(b):
+    """fp32 value of non-negative float8 e4m3fn bytes (int32): ``(8 + m) 2^(e - 10)``, subnormals
+    ``m 2^-9`` (scales are never negative or NaN: the encoder refuses them)."""
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    return tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.math.exp2((e - 10).to(tl.float32)))
+
+
+@triton.jit
 def _load_dequant_tile(
     C,  # codes of one head: uint8 [T, RB] rows (stride sc_t), or the fp tensor [T, D] when BITS == 16
-    S,  # fp16 scales of the head: [T, NG] (token axis) or [NGT, D] (channel axis), row stride ss_g
-    Z,
+    S,  # scales of the head: [T, NG] (token axis) or [NGT, D] (channel axis), row stride ss_g; fp16, or
+    #     the bytes of float8 e4m3fn scales (uint8) when E4M3
+    Z,  # zero-points, laid out like S (fp16); unused when not ZERO (symmetric formats)
+    LV,  # fp32 level units L [2**BITS] of a codebook (decode: zero + scale * L[code]); unused when not LEVELS
     sc_t,
     ss_g,
     t,  # [R] token indices inside the block
@@ -265,8 +276,14 @@ def _load_dequant_tile(
     G: tl.constexpr,  # token axis: channels per group
     R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ZERO: tl.constexpr = True,
+    E4M3: tl.constexpr = False,
+    LEVELS: tl.constexpr = False,
 ):
-    """Dequantized fp32 tile ``[R, BLOCK_D]`` (zeros outside ``t_ok`` / ``d < D``)."""
+    """Dequantized fp32 tile ``[R, BLOCK_D]`` (zeros outside ``t_ok`` / ``d < D``): ``code * scale +
+    zero`` in the v1 format, ``zero + scale * L[code]`` for the formats of
+    :mod:`kvplan.kernels.formats` (``ZERO`` false: no zero-point; ``E4M3``: fp8 scales;
+    ``LEVELS``: a codebook, or the uniform symmetric levels, gathered from ``LV``)."""
     d = tl.arange(0, BLOCK_D)
     m2 = t_ok[:, None] & (d < D)[None, :]
     if BITS == 16:
@@ -280,17 +297,28 @@ def _load_dequant_tile(
             so = ((t + OFF) // GS)[:, None].to(tl.int64) * ss_g + d[None, :]
         else:
             so = t[:, None].to(tl.int64) * ss_g + (d // G)[None, :]
-        s = tl.load(S + so, mask=m2, other=0.0).to(tl.float32)
-        z = tl.load(Z + so, mask=m2, other=0.0).to(tl.float32)
-        x = tl.where(m2, codes.to(tl.float32) * s + z, 0.0)
+        if E4M3:
+            s = _e4m3_to_f32(tl.load(S + so, mask=m2, other=0).to(tl.int32))
+        else:
+            s = tl.load(S + so, mask=m2, other=0.0).to(tl.float32)
+        if LEVELS:
+            lv = tl.load(LV + codes, mask=m2, other=0.0)
+        else:
+            lv = codes.to(tl.float32)
+        if ZERO:
+            z = tl.load(Z + so, mask=m2, other=0.0).to(tl.float32)
+            x = tl.where(m2, lv * s + z, 0.0)
+        else:
+            x = tl.where(m2, lv * s, 0.0)
     return x
 
 
 @triton.jit
 def _dequantize_kernel(
     P,  # uint8 [B, h, T, RB] contiguous
-    S,  # fp16 [B, h, T, NG] (token) or [B, h, NGT, D] (channel), contiguous
+    S,  # fp16 (or e4m3 bytes) [B, h, T, NG] (token) or [B, h, NGT, D] (channel), contiguous
     Z,
+    LV,  # fp32 [2**BITS] level units (LEVELS)
     OUT,  # [B, h, T, D] contiguous, output dtype
     T,
     NS_ROWS,  # rows of S per head (T or NGT)
@@ -305,8 +333,12 @@ def _dequantize_kernel(
     OUT_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ZERO: tl.constexpr,
+    E4M3: tl.constexpr,
+    LEVELS: tl.constexpr,
 ):
-    """``code * scale + zero`` in fp32, stored in ``OUT``'s dtype (round to nearest even).
+    """``code * scale + zero`` (or ``zero + scale * L[code]``, see :func:`_load_dequant_tile`) in
+    fp32, stored in ``OUT``'s dtype (round to nearest even).
 
     Layout: codes ``uint8 [B, h, T, RB]`` → ``[B, h, T, D]``. Grid: ``(cdiv(T, BLOCK_T), B * h)``;
     program ``(i, bh)`` writes a ``[BLOCK_T, BLOCK_D]`` tile of tokens ``[i * BLOCK_T, ...)``.
@@ -316,8 +348,8 @@ def _dequantize_kernel(
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     x = _load_dequant_tile(
-        P + bh * T * RB, S + bh * NS_ROWS * NS_COLS, Z + bh * NS_ROWS * NS_COLS, RB, NS_COLS,
-        t, t_ok, OFF, D, BITS, CHANNEL, GS, G, BLOCK_T, BLOCK_D,
+        P + bh * T * RB, S + bh * NS_ROWS * NS_COLS, Z + bh * NS_ROWS * NS_COLS, LV, RB, NS_COLS,
+        t, t_ok, OFF, D, BITS, CHANNEL, GS, G, BLOCK_T, BLOCK_D, ZERO, E4M3, LEVELS,
     )
     d = tl.arange(0, BLOCK_D)
     m2 = t_ok[:, None] & (d < D)[None, :]
@@ -419,12 +451,16 @@ def dequantize(
     head_dim: int,
     start_offset: int = 0,
     dtype: torch.dtype = torch.float16,
+    fmt=None,
 ) -> torch.Tensor:
-    """Unpack and dequantize to ``[B, h, T, D]`` in ``dtype``; see :func:`kvplan.kernels.reference.dequantize`."""
+    """Unpack and dequantize to ``[B, h, T, D]`` in ``dtype``; see :func:`kvplan.kernels.reference.dequantize`
+    (``fmt``: a slot format of :mod:`kvplan.kernels.formats`; default v1)."""
     qtype(bits)
     packed = packed.contiguous()
-    scale = scale.contiguous()
-    zero = zero.contiguous()
+    legacy = fmt is None or fmt.legacy
+    has_zero = zero is not None
+    scale, zero, levels = _format_tensors(None if legacy else fmt, scale.contiguous(),
+                                          None if zero is None else zero.contiguous(), packed.device)
     B, h, T, rb = packed.shape
     D = head_dim
     if rb != packed_row_bytes(D, bits):
@@ -443,9 +479,10 @@ def dequantize(
     block_t = max(1, min(triton.next_power_of_2(T), max(1, 4096 // block_d)))
     grid = (triton.cdiv(T, block_t), B * h)
     _dequantize_kernel[grid](
-        packed, scale, zero, out, T, ns_rows, start_offset,
+        packed, scale, zero, levels, out, T, ns_rows, start_offset,
         D=D, RB=rb, NS_COLS=ns_cols, BITS=bits, CHANNEL=channel, GS=gs, G=g, OUT_BF16=dtype == torch.bfloat16,
-        BLOCK_T=block_t, BLOCK_D=block_d,
+        BLOCK_T=block_t, BLOCK_D=block_d, ZERO=has_zero, E4M3=scale.dtype == torch.uint8,
+        LEVELS=not legacy and fmt.level_units() is not None,
         enable_fp_fusion=False,  # keep code * scale + zero as two roundings, like the reference
     )
     return out
@@ -457,6 +494,7 @@ def _block_partial_attn_kernel(
     Q, sq_b, sq_h, sq_t,  # q [B, Hq, Tq, D] (last dim contiguous)
     KC, KS, KZ, skc_b, skc_h, skc_t, sks_b, sks_h, sks_g,  # K source of one segment / head group
     VC, VS, VZ, svc_b, svc_h, svc_t, svs_b, svs_h, svs_g,  # V source (its own head group)
+    KLV, VLV,  # fp32 level units of the K / V slot formats (see _load_dequant_tile)
     HMAP,  # int32 [n_heads, 3]: (kv head, local head in K source, local head in V source)
     KA, KB, KCOS, KSIN,  # pre-RoPE keys: fp32 [D, D] H and H·P_rot-half; fp32 cos / sin [T_SEG, HALF]
     ZC, ZS, ZZ, szc_b, szc_h, szc_t, szs_b, szs_h, szs_g,  # key correction codes ẑ [B, h, T, r] (channel axis)
@@ -473,6 +511,8 @@ def _block_partial_attn_kernel(
     N_REP: tl.constexpr, TQ: tl.constexpr, D: tl.constexpr,
     K_BITS: tl.constexpr, K_CHANNEL: tl.constexpr, K_GS: tl.constexpr, K_G: tl.constexpr,
     V_BITS: tl.constexpr, V_CHANNEL: tl.constexpr, V_GS: tl.constexpr, V_G: tl.constexpr,
+    K_ZERO: tl.constexpr, K_E4M3: tl.constexpr, K_LEVELS: tl.constexpr,  # K slot format (kernels.formats)
+    V_ZERO: tl.constexpr, V_E4M3: tl.constexpr, V_LEVELS: tl.constexpr,
     K_ROPE: tl.constexpr, HALF: tl.constexpr,  # keys in the pre-RoPE frame; rotary pairs (i, i + HALF)
     K_CORR: tl.constexpr, Z_BITS: tl.constexpr, R_DIM: tl.constexpr, RP: tl.constexpr,  # key correction
     HAS_MASK: tl.constexpr, DOT_F32: tl.constexpr,
@@ -556,8 +596,9 @@ def _block_partial_attn_kernel(
     for n0 in range(t_start, t_end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         t_ok = t < t_end
-        k = _load_dequant_tile(k_c, k_s, k_z, skc_t, sks_g, t, t_ok, K_OFF,
-                               D, K_BITS, K_CHANNEL, K_GS, K_G, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        k = _load_dequant_tile(k_c, k_s, k_z, KLV, skc_t, sks_g, t, t_ok, K_OFF,
+                               D, K_BITS, K_CHANNEL, K_GS, K_G, BLOCK_N, BLOCK_D,
+                               K_ZERO, K_E4M3, K_LEVELS)  # [BLOCK_N, BLOCK_D]
         if K_ROPE:
             if DOT_F32:
                 x = tl.dot(k, ka, input_precision="ieee")
@@ -576,7 +617,7 @@ def _block_partial_attn_kernel(
         else:
             s = tl.dot(q_dot, tl.trans(k.to(Q.dtype.element_ty)))  # [BLOCK_M, BLOCK_N] fp32
         if K_CORR:
-            z = _load_dequant_tile(z_c, z_s, z_z, szc_t, szs_g, t, t_ok, Z_OFF,
+            z = _load_dequant_tile(z_c, z_s, z_z, z_s, szc_t, szs_g, t, t_ok, Z_OFF,
                                    R_DIM, Z_BITS, True, K_GS, 1, BLOCK_N, RP)  # [BLOCK_N, RP]
             s = s + tl.sum(qu[:, None, :] * z[None, :, :], axis=2)
         if HAS_MASK:
@@ -591,8 +632,9 @@ def _block_partial_attn_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_dequant_tile(v_c, v_s, v_z, svc_t, svs_g, t, t_ok, V_OFF,
-                               D, V_BITS, V_CHANNEL, V_GS, V_G, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        v = _load_dequant_tile(v_c, v_s, v_z, VLV, svc_t, svs_g, t, t_ok, V_OFF,
+                               D, V_BITS, V_CHANNEL, V_GS, V_G, BLOCK_N, BLOCK_D,
+                               V_ZERO, V_E4M3, V_LEVELS)  # [BLOCK_N, BLOCK_D]
         if DOT_F32:
             pv = tl.dot(p, v, input_precision="ieee")
         else:
@@ -608,6 +650,24 @@ def _block_partial_attn_kernel(
     tl.store(AO + a, acc, mask=row_ok[:, None] & d_ok[None, :])
 
 
+def _format_tensors(fmt, scale, zero, device):
+    """``(scale, zero, levels)`` as the kernels read them: e4m3 scales as their bytes (uint8),
+    a missing zero-point and missing levels as the scale tensor (placeholders the kernel does not
+    read), the level units of a codebook as fp32 on ``device``; last dims contiguous, scale and
+    zero with the same strides."""
+    scale = scale if scale.stride(-1) == 1 else scale.contiguous()
+    if scale.dtype == torch.float8_e4m3fn:
+        scale = scale.view(torch.uint8)
+    if zero is None:
+        zero = scale
+    else:
+        zero = zero if zero.stride(-1) == 1 else zero.contiguous()
+        if zero.stride() != scale.stride():
+            scale, zero = scale.contiguous(), zero.contiguous()
+    levels = None if fmt is None else fmt.level_units(device)
+    return scale, zero, scale if levels is None else levels
+
+
 class _Source:
     """One side (K or V) of a launch: a PackedBlock's tensors, or a full-precision tensor.
 
@@ -617,25 +677,27 @@ class _Source:
     """
 
     __slots__ = ("codes", "scale", "zero", "bits", "channel", "gs", "g", "off", "length", "heads", "rotation",
-                 "position", "corr", "basis")
+                 "position", "corr", "basis", "levels", "has_zero", "e4m3", "has_levels")
 
     def __init__(self, codes, scale, zero, bits, axis, group_size, start_offset, length, head_dim, heads,
-                 rotation=None, position=0, corr=None, basis=None):
+                 rotation=None, position=0, corr=None, basis=None, fmt=None):
         self.bits = int(bits)
         self.heads = tuple(int(h) for h in heads)
         self.length = int(length)
         self.rotation, self.position, self.corr, self.basis = rotation, int(position), corr, basis
+        self.has_zero, self.e4m3, self.has_levels = True, False, False
         if self.bits == FULL_PRECISION_BITS:
             self.codes = codes if codes.stride(-1) == 1 else codes.contiguous()
-            self.scale = self.zero = self.codes  # unused placeholders
+            self.scale = self.zero = self.levels = self.codes  # unused placeholders
             self.channel, self.gs, self.g, self.off = False, 1, 1, 0
             return
         qtype(self.bits)
         self.codes = codes if codes.stride(-1) == 1 else codes.contiguous()
-        self.scale = scale if scale.stride(-1) == 1 else scale.contiguous()
-        self.zero = zero if zero.stride(-1) == 1 else zero.contiguous()
-        if self.zero.stride() != self.scale.stride():
-            self.scale, self.zero = self.scale.contiguous(), self.zero.contiguous()
+        self.scale, self.zero, self.levels = _format_tensors(fmt, scale, zero, codes.device)
+        if fmt is not None and not fmt.legacy:
+            self.has_zero = zero is not None
+            self.e4m3 = fmt.spec.scale_dtype == torch.float8_e4m3fn
+            self.has_levels = fmt.level_units() is not None
         if axis == "channel":
             self.channel, self.gs, self.g, self.off = True, int(group_size), 1, int(start_offset)
         elif axis == "token":
@@ -649,7 +711,8 @@ class _Source:
         corr = getattr(blk, "correction", None)
         return cls(blk.codes, blk.scale, blk.zero, blk.bits, blk.axis, blk.group_size, blk.start_offset, blk.length,
                    blk.head_dim, blk.heads, getattr(blk, "rotation", None), getattr(blk, "position", 0),
-                   None if corr is None else cls.from_block(corr), getattr(blk, "basis", None))
+                   None if corr is None else cls.from_block(corr), getattr(blk, "basis", None),
+                   getattr(blk, "fmt", None))
 
     @classmethod
     def from_tensor(cls, x: torch.Tensor) -> "_Source":
@@ -751,6 +814,7 @@ def block_partial_attention(
         q, q.stride(0), q.stride(1), q.stride(2),
         kc, ks, k_src.zero, kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         vc, vs, v_src.zero, vc.stride(0), vc.stride(1), vc.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
+        k_src.levels, v_src.levels,
         hmap,
         ka, kb, kcos, ksin,
         zc, zs, zz, zcs[0], zcs[1], zcs[2], zss[0], zss[1], zss[2],
@@ -763,6 +827,8 @@ def block_partial_attention(
         N_REP=n_rep, TQ=Tq, D=D,
         K_BITS=k_src.bits, K_CHANNEL=k_src.channel, K_GS=k_src.gs, K_G=k_src.g,
         V_BITS=v_src.bits, V_CHANNEL=v_src.channel, V_GS=v_src.gs, V_G=v_src.g,
+        K_ZERO=k_src.has_zero, K_E4M3=k_src.e4m3, K_LEVELS=k_src.has_levels,
+        V_ZERO=v_src.has_zero, V_E4M3=v_src.e4m3, V_LEVELS=v_src.has_levels,
         K_ROPE=k_src.pre_rope, HALF=half, K_CORR=z is not None, Z_BITS=z_bits, R_DIM=r_dim, RP=rp,
         HAS_MASK=has_mask, DOT_F32=_dot_in_fp32(q),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,

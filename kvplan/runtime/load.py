@@ -85,7 +85,7 @@ def make_cache(model, plan, input_ids=None, attention_mask=None) -> KVPlanCache:
     (or :func:`attention_route`) put the model on the fused attention, the cache uses it."""
     kernel = getattr(model, "_kvplan_attention_kernel", None)
     resolved = resolve_plan(plan, model)
-    cache = KVPlanCache(resolved, model, attention_kernel=_kernel_for_formats(kernel, resolved))
+    cache = KVPlanCache(resolved, model, attention_kernel=kernel)
     if input_ids is not None:
         check_modalities(resolved, model)
         cache.assign_labels(labels_from_input_ids(input_ids, model.config), attention_mask)
@@ -93,39 +93,6 @@ def make_cache(model, plan, input_ids=None, attention_mask=None) -> KVPlanCache:
 
 
 ATTENTION_MODES = ("auto", "triton", "chunked", "dequantize")
-_WARNED_FORMATS: set = set()
-
-
-def _triton_formats_problem(plan: Plan) -> str | None:
-    """Why the Triton decode kernels cannot read ``plan``'s slot formats (``None``: they can).
-
-    They decode the v1 format (uniform codes, fp16 scale and zero); the e4m3 scales, symmetric
-    groups and codebooks of :mod:`kvplan.kernels.formats` have a PyTorch reference and the chunked
-    CPU kernel so far."""
-    q = plan.quantizer
-    if q.v1_formats:
-        return None
-    return (f"the Triton decode kernels read the v1 slot format only; this plan stores keys as "
-            f"{q.key_scaling}, values as {q.value_scaling}"
-            + (f" with codebooks for {sorted({k for k, _, _ in q.codebooks})}" if q.codebooks else ""))
-
-
-def _kernel_for_formats(kernel, plan: Plan):
-    """``kernel``, or the chunked kernel (warning once per problem) when ``kernel`` is the Triton
-    one and the plan's formats are not v1: said, not silent."""
-    if kernel is None or getattr(kernel, "__name__", "") != "packed_decode_attention":
-        return kernel
-    problem = _triton_formats_problem(plan)
-    if problem is None:
-        return kernel
-    if problem not in _WARNED_FORMATS:
-        _WARNED_FORMATS.add(problem)
-        warnings.warn(f"{problem}: decoding with the chunked PyTorch kernel instead", stacklevel=3)
-    from ..kernels import decode_attention_kernel
-
-    return decode_attention_kernel(cuda=False)
-
-
 def _attention_kernel(model, attention: str):
     """The decode-attention kernel to use, or ``None`` for dequantize-then-attend."""
     from ..kernels import decode_attention_kernel, triton_available
@@ -163,9 +130,6 @@ def load(model, plan, attention: str = "auto"):
     resolved = resolve_plan(plan, model)
     check_modalities(resolved, model, source=os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else None)
     kernel = _attention_kernel(model, attention)
-    if attention == "triton" and _triton_formats_problem(resolved):
-        raise PlanError("attention", f"'triton' requested but {_triton_formats_problem(resolved)} (use 'auto' or "
-                        "'chunked')", attention)
     unload(model)
     _install_attention(model, kernel)
     original = model.generate

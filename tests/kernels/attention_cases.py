@@ -161,12 +161,10 @@ ATTN_CASES = {
     "had-corr-fp16-gqa7-tq1-padfloat": ("codec-had", torch.float16, 7, 1, 64, "pad-float"),
     "rope-half-fp32-D128-causal": ("codec-rope-half", torch.float32, 1, 3, 128, "causal-float"),
     "rope-half-bf16-D128-nomask": ("codec-rope-half", torch.bfloat16, 4, 1, 128, None),
-    # slot formats of the registry (e4m3 scales, symmetric values, codebooks): chunked kernel only
+    # slot formats of the registry (e4m3 scales, symmetric values, codebooks)
     "formats-searched-fp32-gqa3-tq1-padmask": ("formats-searched", torch.float32, 3, 1, 64, "pad-bool"),
-    "formats-plain-fp16-gqa2-tq2-floatmask": ("formats-plain", torch.float16, 2, 2, 64, "float-per-head"),
+    "formats-plain-fp32-gqa2-tq2-floatmask": ("formats-plain", torch.float32, 2, 2, 64, "float-per-head"),
 }
-# cases the Triton kernels implement (the v1 slot format; see kvplan.runtime.load._triton_formats_problem)
-TRITON_CASES = {k: v for k, v in ATTN_CASES.items() if "formats" not in CODECS.get(v[0], "")}
 
 
 def case_cache(case, B, seed):

@@ -40,7 +40,8 @@ from kvplan.kernels.attention_reference import reference_decode_attention  # noq
 from kvplan.kernels.qtypes import packed_row_bytes  # noqa: E402
 from kvplan.runtime.storage import PackedBlock  # noqa: E402
 from tests.kernels import attention_cases  # noqa: E402
-from tests.kernels.attention_cases import ATTN_TOL, TRITON_CASES, case_cache, on_device  # noqa: E402
+from tests.kernels.attention_cases import ATTN_CASES, ATTN_TOL, case_cache, on_device  # noqa: E402
+from kvplan.kernels.formats import SCALINGS, Format, default_codebook  # noqa: E402
 
 if INTERPRET:
     from triton.runtime.interpreter import InterpretedFunction
@@ -211,8 +212,27 @@ def test_dequantize_matches_reference(bits, group_size, axis, dtype):
     assert torch.equal(out, ref)
 
 
+FORMATS = [Format(b, sc, lv) for b in (2, 3) for sc in SCALINGS for lv in (None, default_codebook(b, sc, 32))
+           if (sc, lv) != ("minmax-fp16", None)] + [Format(8, "absmax-e4m3"), Format(4, "minmax-e4m3")]
+
+
+@pytest.mark.parametrize("axis", ["token", "channel"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=[f.name for f in FORMATS])
+def test_dequantize_formats_match_reference(fmt, axis):
+    """The registry's formats (e4m3 scales read from their bytes, no zero-point, codebook levels)
+    decode exactly as the PyTorch reference decodes them."""
+    shape = (2, 3, 37, 64)
+    x = _rand(shape, torch.float32, seed=fmt.bits)
+    offset = 0 if axis == "token" else 5
+    packed, scale, zero = reference.quantize(x.cpu(), fmt.bits, 32, axis, offset, fmt=fmt)
+    ref = reference.dequantize(packed, scale, zero, fmt.bits, 32, axis, 64, offset, torch.float32, fmt=fmt)
+    for dtype in (torch.float32, torch.float16):
+        out = tk.dequantize(_to(packed), _to(scale), _to(zero), fmt.bits, 32, axis, 64, offset, dtype, fmt=fmt)
+        assert torch.equal(out.cpu(), ref.to(dtype))
+
+
 # ----------------------------------------------------------------------------- fused attention
-@pytest.mark.parametrize("case", list(TRITON_CASES.values()), ids=list(TRITON_CASES))
+@pytest.mark.parametrize("case", list(ATTN_CASES.values()), ids=list(ATTN_CASES))
 def test_packed_decode_attention(case):
     """The fused kernel on device copies of reference-encoded blocks against the reference
     attention over the CPU blocks (no Triton op on the oracle's side)."""
