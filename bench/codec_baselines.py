@@ -1,0 +1,108 @@
+"""The searched plan against codec-only baselines at its budget: test-split KL.
+
+    python bench/codec_baselines.py bench/results/search-2.5bpv.yaml   # -> bench/results/codec_baselines.md
+
+Does the search earn its place beyond the codec? Every baseline gets kvplan's best codec, the
+searched plan's own quantizer (slot formats, Hadamard + pre-RoPE rotations, group, residual,
+sink, key-correction basis), and no search:
+
+* **uniform**: every key and value slot at the same bits (2 bits: the only uniform plan under a
+  2.5 bpv budget), with and without the key correction on every key slot;
+* **HeadGuard-style** (``../shared/DESIGN.md`` source 2): the physical KV heads whose keys the
+  search's calibration sensitivity profile (``<plan>.search.json``; per-head entries where the
+  profile has them, else the layer's entry) ranks most damaging keep their keys at 4 (or 3) bits,
+  the rest 2 bits, adding heads in that order while the plan stays within the budget.
+
+All plans are scored by the **test** scorer of ``kvplan search`` (16 samples, 512-token history,
+the deployed route), the split the search reports and never chooses on; this script chooses
+nothing either (HeadGuard's heads come from the calibration profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from kvplan import Plan  # noqa: E402
+from kvplan.plans import CORRECTED, atomic_write_text  # noqa: E402
+from kvplan.search.scorers import task_scorers  # noqa: E402
+
+
+def key_ranking(profile: dict, n_layers: int, n_heads: int) -> list[tuple[int, int]]:
+    """``(layer, head)`` by decreasing key sensitivity in the calibration profile."""
+    score = {}
+    for layer in range(n_layers):
+        for head in range(n_heads):
+            per_head = profile.get(f"L{layer:02d}.k.h{head}")
+            score[layer, head] = per_head if per_head is not None else profile.get(f"L{layer:02d}.k", 0.0) / n_heads
+    return sorted(score, key=lambda lh: -score[lh])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plan")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "codec_baselines.md"))
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "1")))
+    t0 = time.time()
+    searched = Plan.from_yaml(args.plan)
+    sidecar = os.path.splitext(args.plan)[0] + ".search.json"
+    profile = json.load(open(sidecar))["profile"]
+    budget = searched.target_bpv or searched.bpv().total
+    g, q = searched.geometry, searched.quantizer
+    test = task_scorers(n_calibration=1, n_validation=0, n_test=16, progress=False).test
+    corr = CORRECTED if q.key_correction_rank else 0
+
+    def plan_of(key_codes: np.ndarray, name: str) -> Plan:
+        table = np.full((g.num_layers, g.num_kv_heads, 2, len(searched.modalities)), 2, dtype=np.int64)
+        table[:, :, 0, :] = key_codes[:, :, None]
+        return searched.replace(name=name, metrics={}).with_table(table)
+
+    rows = [("searched (kvplan search)", searched)]
+    base = np.full((g.num_layers, g.num_kv_heads), 2, dtype=np.int64)
+    rows.append(("uniform K2V2", plan_of(base, "uniform-k2v2")))
+    if corr:
+        rows.append(("uniform K2V2, key correction on every key", plan_of(base + corr, "uniform-k2v2-corr")))
+    order = key_ranking(profile, g.num_layers, g.num_kv_heads)
+    for high in (4, 3):
+        keys = base + corr
+        n = 0
+        for layer, head in order:
+            trial = keys.copy()
+            trial[layer, head] = high
+            if plan_of(trial, "").bpv().total > budget + 1e-9:
+                break
+            keys, n = trial, n + 1
+        rows.append((f"HeadGuard-style: {n} key heads at {high} bits, rest K2{'+corr' if corr else ''}V2",
+                     plan_of(keys, f"headguard-k{high}")))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = [f"# Searched plan vs codec-only baselines at {budget:g} bpv (test split)", "",
+             f"Command: `python bench/codec_baselines.py {args.plan}` at commit {commit} (method in the script's "
+             "docstring).", "",
+             "| plan | honest bpv | test KL [95% CI] |", "|---|---|---|"]
+    results = []
+    for label, plan in rows:
+        m = test(plan)
+        results.append((label, plan.bpv().total, m["kl"]))
+        lines.append(f"| {label} | {plan.bpv().total:.4f} | {m['kl']:.4f} [{m['kl_ci95_lo']:.4f}, "
+                     f"{m['kl_ci95_hi']:.4f}] |")
+        print(lines[-1], flush=True)
+    best = min(results[1:], key=lambda r: r[2])
+    lines += ["", f"Best codec-only baseline: {best[0]} (KL {best[2]:.4f}); the searched plan's KL is "
+              f"{results[0][2] / best[2]:.2f}x of it (target: at most 0.5x).", "",
+              f"Wall time {time.time() - t0:.0f} s."]
+    atomic_write_text(args.out, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
