@@ -13,8 +13,9 @@ or several. **Failure detection.** On RDB storages each worker records an Optuna
 older than ``grace_period`` (measured on the database server's clock, so it works across
 hosts) is failed by whichever worker looks next, and :class:`RetryStale` puts an evaluation
 trial back in the queue so another worker measures it. A journal file has no heartbeat in
-Optuna: there, a trial is failed when its owner process (recorded in ``kvplan.owner``) is gone
-on this host, which only sees processes of this machine.
+Optuna: there each held trial carries a ``kvplan.beat`` timestamp (:class:`BeatingJournalStorage`,
+same interval and grace period, by the hosts' clocks), and a trial whose owner process is gone
+on this host is failed at once.
 
 Opening a storage never retries arbitrary errors: a missing driver, a malformed URL or an
 unreachable server is one :class:`StorageError` line naming ``--storage``; only the known
@@ -120,16 +121,40 @@ def make_storage(storage, *, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_
     if "://" in s:
         return _open_rdb(s, heartbeat_interval, grace_period)
     if s.endswith(JOURNAL_SUFFIXES):
-        from optuna.storages.journal import JournalFileBackend, JournalStorage
+        from optuna.storages.journal import JournalFileBackend
 
         folder = os.path.dirname(os.path.abspath(s))
         try:
             os.makedirs(folder, exist_ok=True)
-            return JournalStorage(JournalFileBackend(s))
+            return BeatingJournalStorage(JournalFileBackend(s), heartbeat_interval, grace_period)
         except OSError as e:
             raise StorageError(f"--storage {s}: cannot open the journal file: {e.strerror or e}") from None
     raise StorageError(f"--storage {one_line(s, 200)}: use an RDB URL (sqlite:///study.db, postgresql://...) or a "
                        f"journal file path ending in {', '.join(JOURNAL_SUFFIXES)}")
+
+
+from optuna.storages.journal import JournalStorage  # noqa: E402
+
+
+class BeatingJournalStorage(JournalStorage):
+    """A journal file storage whose workers keep their trials alive themselves: Optuna's journal
+    storage has no heartbeat, so each held trial gets ``user_attrs["kvplan.beat"]`` (the
+    worker's wall-clock time) every ``heartbeat_interval`` seconds, and a RUNNING trial whose
+    beat is older than ``grace_period`` is failed by any worker, on any host sharing the file
+    (hosts' clocks must agree to well within the grace period, as NTP keeps them)."""
+
+    def __init__(self, backend, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_S,
+                 grace_period: int | None = DEFAULT_GRACE_S):
+        super().__init__(backend)
+        self.kvplan_heartbeat_interval = heartbeat_interval or None
+        self.kvplan_grace_period = grace_period or (2 * heartbeat_interval if heartbeat_interval else None)
+
+
+BEAT = "kvplan.beat"
+
+
+def _journal_beat(storage) -> bool:
+    return isinstance(storage, BeatingJournalStorage) and storage.kvplan_heartbeat_interval is not None
 
 
 def describe_storage(storage) -> str | None:
@@ -177,7 +202,7 @@ def trial_owner(t) -> dict:
 # Roles of trials that are bookkeeping, not evaluations: never retried when their owner dies.
 NO_RETRY_ROLES = ("profile-claim", "finalize-claim", "reservation")
 # Attributes of a trial that belong to its dead owner, not to the plan it proposes.
-OWNER_KEYS = ("kvplan.owner", "kvplan.eval", "kvplan.role", "kvplan.host", "kvplan.pid")
+OWNER_KEYS = ("kvplan.owner", "kvplan.eval", "kvplan.role", "kvplan.host", "kvplan.pid", "kvplan.beat")
 
 
 class RetryStale:
@@ -205,26 +230,35 @@ class RetryStale:
 
 
 class Heartbeat:
-    """Keeps the trials a worker holds alive: one background thread records an Optuna
-    heartbeat for each held trial every ``interval`` seconds (RDB storages with heartbeat;
-    a no-op elsewhere). ``hold(trial_id)`` records one at once."""
+    """Keeps the trials a worker holds alive: one background thread records a heartbeat for
+    each held trial every ``interval`` seconds: Optuna's on RDB storages with heartbeat, the
+    ``kvplan.beat`` attribute on a :class:`BeatingJournalStorage`; a no-op elsewhere.
+    ``hold(trial_id)`` records one at once."""
 
     def __init__(self, storage):
         self.storage = storage
-        self.enabled = has_heartbeat(storage)
+        self.journal = _journal_beat(storage)
+        self.enabled = has_heartbeat(storage) or self.journal
         self.held: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
         if self.enabled:
-            self.interval = float(storage.get_heartbeat_interval())
+            self.interval = float(storage.kvplan_heartbeat_interval if self.journal
+                                  else storage.get_heartbeat_interval())
             self._thread = threading.Thread(target=self._loop, name="kvplan-heartbeat", daemon=True)
             self._thread.start()
+
+    def _record(self, trial_id: int) -> None:
+        if self.journal:
+            self.storage.set_trial_user_attr(trial_id, BEAT, time.time())
+        else:
+            self.storage.record_heartbeat(trial_id)
 
     def hold(self, trial_id: int) -> None:
         if not self.enabled:
             return
-        self.storage.record_heartbeat(trial_id)
+        self._record(trial_id)
         with self._lock:
             self.held.add(trial_id)
 
@@ -238,7 +272,9 @@ class Heartbeat:
                 ids = sorted(self.held)
             for tid in ids:
                 try:
-                    self.storage.record_heartbeat(tid)
+                    self._record(tid)
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    self.release(tid)  # told between our copy of the held set and this beat
                 except Exception as e:  # a lost connection: the grace period covers a short outage
                     warnings.warn(f"kvplan: heartbeat of trial id {tid} not recorded: {one_line(str(e), 200)}")
 
@@ -275,6 +311,7 @@ def fail_orphaned_trials(study: optuna.Study, grace_s: float | None = None) -> i
     :data:`UNOWNED_GRACE_S` without a heartbeat)."""
     storage = study._storage
     hb = has_heartbeat(storage)
+    beat_grace = float(storage.kvplan_grace_period) if _journal_beat(storage) else None
     before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     if hb:
         with warnings.catch_warnings():
@@ -297,7 +334,9 @@ def fail_orphaned_trials(study: optuna.Study, grace_s: float | None = None) -> i
         pid = owner.get("pid")
         dead = (not hb and owner.get("host") == HOST and isinstance(pid, int) and pid != os.getpid()
                 and not _alive(pid))
-        if unowned or dead:
+        beat = t.user_attrs.get(BEAT)
+        silent = beat_grace is not None and isinstance(beat, (int, float)) and time.time() - beat > beat_grace
+        if unowned or dead or silent:
             try:
                 study.tell(t.number, state=TrialState.FAIL)
             except (ValueError, RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
