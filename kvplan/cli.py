@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--worker", type=_non_negative, help="worker index when several processes share a study "
                    "(seeds its sampler; each worker of a study should have its own)")
     s.add_argument("--heartbeat-interval", type=_positive, default=10, metavar="S",
-                   help="seconds between a worker's heartbeats on an RDB storage (SQLite, PostgreSQL)")
+                   help="seconds between the heartbeats a worker records for the trials it holds (any --storage)")
     s.add_argument("--grace-period", type=_positive, default=60, metavar="S",
                    help="a trial whose worker sent no heartbeat for this long is failed and measured again by "
                         "another worker")
