@@ -164,13 +164,23 @@ class BitRule:
                 object.__setattr__(self, name, tuple(v))
 
 
+MAX_LAYOUT_RUNS = 65536  # budget.reference.layout entries
+
+
 @dataclass(frozen=True)
 class Reference:
-    """Where a plan's bpv is stated: context length and modality layout (runs, in order)."""
+    """Where a plan's bpv is stated: context length and modality layout.
+
+    ``modality_mix``: fractions, laid out as one contiguous run per modality in order (what
+    ``plan.bpv(context_len=T)`` uses at any length). ``layout``: optionally, the measured runs
+    ``(modality, tokens)`` of a real prompt of ``context_len`` tokens (e.g. a VLM prompt's text,
+    image, text, image... runs), so the bpv at the reference is that prompt's bytes exactly.
+    """
 
     context_len: int = 4096
     modality_mix: tuple[tuple[str, float], ...] = ((DEFAULT_MODALITY, 1.0),)
     full_precision_bits: int = 16
+    layout: tuple[tuple[str, int], ...] | None = None
 
     def __post_init__(self):
         check_int(self.context_len, "budget.reference.context_len", 1, MAX_TOKENS)
@@ -187,6 +197,38 @@ class Reference:
             mix.append((name, float(frac)))
         object.__setattr__(self, "modality_mix", tuple(mix))
         check_choice(self.full_precision_bits, "budget.reference.full_precision_bits", (16, 32))
+        if self.layout is not None:
+            object.__setattr__(self, "layout", _layout(self.layout, self.context_len, {n for n, _ in mix}))
+
+    def labels(self) -> list:
+        """The reference's token labels: ``layout`` when measured, else the mix's runs."""
+        from .accounting import layout_labels
+
+        if self.layout is not None:
+            return [name for name, n in self.layout for _ in range(n)]
+        return layout_labels(self.context_len, self.modality_mix)
+
+
+def _layout(value, context_len: int, names: set) -> tuple:
+    """``budget.reference.layout``: runs ``[modality, tokens]`` of the mix's modalities, summing to
+    ``context_len``."""
+    path = "budget.reference.layout"
+    if not isinstance(value, (list, tuple)) or not value:
+        raise PlanError(path, "must be a non-empty list of [modality, tokens] runs", value)
+    if len(value) > MAX_LAYOUT_RUNS:
+        raise PlanError(path, f"has more than {MAX_LAYOUT_RUNS} runs", len(value))
+    runs = []
+    for i, run in enumerate(value):
+        where = f"{path}[{i}]"
+        if not isinstance(run, (list, tuple)) or len(run) != 2:
+            raise PlanError(where, "must be a [modality, tokens] pair", run)
+        name, n = run
+        if not isinstance(name, str) or name not in names:
+            raise PlanError(where, f"modality must be one of the modality_mix's {sorted(names)}", name)
+        runs.append((name, check_int(n, f"{where}[1]", 1, MAX_TOKENS)))
+    if sum(n for _, n in runs) != context_len:
+        raise PlanError(path, f"runs must add up to context_len = {context_len}", sum(n for _, n in runs))
+    return tuple(runs)
 
 
 @dataclass(frozen=True)

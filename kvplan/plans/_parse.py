@@ -146,11 +146,12 @@ def _rule(r, path) -> BitRule:
 
 
 def _reference(ref_d) -> Reference:
-    check_keys(ref_d, "budget.reference", [], ["context_len", "modality_mix", "full_precision_bits"])
+    check_keys(ref_d, "budget.reference", [], ["context_len", "modality_mix", "full_precision_bits", "layout"])
     mix = ref_d.get("modality_mix", {DEFAULT_MODALITY: 1.0})
     if not isinstance(mix, Mapping):
         raise PlanError("budget.reference.modality_mix", "must be a mapping of modality to fraction", mix)
-    return Reference(ref_d.get("context_len", 4096), tuple(mix.items()), ref_d.get("full_precision_bits", 16))
+    return Reference(ref_d.get("context_len", 4096), tuple(mix.items()), ref_d.get("full_precision_bits", 16),
+                     ref_d.get("layout"))
 
 
 def _provenance(prov) -> Provenance:

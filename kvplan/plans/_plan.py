@@ -116,14 +116,17 @@ class Plan:
             full_precision_bits: int | None = None):
         """Honest bits per value the runtime stores for this plan (see ``plans.accounting``).
 
-        Defaults to the plan's own geometry and reference (context length, modality mix).
+        Defaults to the plan's own geometry and reference (context length, modality mix; at the
+        reference length with no mix given, the measured ``reference.layout`` when there is one).
         """
         ref = self.reference
+        at_reference = context_len in (None, ref.context_len) and modality_mix is None
         return accounting.plan_bpv(
             self,
             geometry or self.geometry,
             context_len if context_len is not None else ref.context_len,
-            modality_mix if modality_mix is not None else ref.modality_mix,
+            (ref.labels() if at_reference and ref.layout is not None
+             else modality_mix if modality_mix is not None else ref.modality_mix),
             full_precision_bits if full_precision_bits is not None else ref.full_precision_bits,
         )
 
@@ -184,6 +187,7 @@ class Plan:
                     "context_len": self.reference.context_len,
                     "modality_mix": {k: v for k, v in self.reference.modality_mix},
                     "full_precision_bits": self.reference.full_precision_bits,
+                    **({"layout": [list(r) for r in self.reference.layout]} if self.reference.layout else {}),
                 },
                 "bpv": {k: round(v, 6) for k, v in bpv.as_dict().items()},
             },

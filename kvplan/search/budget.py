@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import KVPlanError
 from ..kernels.qtypes import FULL_PRECISION_BITS
-from ..plans import QuantizerSettings, Reference, committed_length, layout_labels, split_codes, stored_runs
+from ..plans import QuantizerSettings, Reference, committed_length, split_codes, stored_runs
 from ..plans.accounting import _clip_runs, correction_bytes, run_bytes, sliding_kept_start, stored_tokens
 from .space import Q_FIELDS, SearchSpace
 
@@ -83,7 +83,7 @@ class BpvModel:
         self.space = space
         self.reference = reference
         g = space.geometry
-        self.labels = layout_labels(reference.context_len, reference.modality_mix)
+        self.labels = reference.labels()
         self._terms: dict[QuantizerSettings, _QTerms] = {}  # QuantizerSettings is frozen: a key
         for q in space.quantizers():
             self._terms[q] = self._build(q)

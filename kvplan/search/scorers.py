@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 from ..models.geometry import Geometry
 from ..plans import Plan, Reference
+from ..plans.accounting import label_runs
 
 
 def _summary(agg: dict[str, Any], plan: Plan) -> dict[str, Any]:
@@ -86,7 +87,9 @@ def reference_of(samples: Sequence, context_len: int | None = None, full_precisi
 
     ``context_len``: the deployment context (default: the median history length). The
     modality mix is the pooled label fractions of all histories, as runs in first-seen order
-    (one run per modality: a text model's mix is ``{text: 1.0}``). ``full_precision_bits``:
+    (one run per modality: a text model's mix is ``{text: 1.0}``); with several modalities at the
+    default context the reference also records the median history's own runs (``layout``).
+    ``full_precision_bits``:
     storage of full-precision tokens (the model dtype's bits: 32 for an fp32 model on CPU).
     """
     counts: dict[str, int] = {}
@@ -105,7 +108,15 @@ def reference_of(samples: Sequence, context_len: int | None = None, full_precisi
         acc += f
     mix.append((names[-1], 1.0 - acc))
     mods = ("text",) + tuple(n for n in names if n != "text")  # text first (generated tokens are text)
-    return Reference(context_len=T, modality_mix=tuple(mix), full_precision_bits=full_precision_bits), mods
+    layout = None
+    if context_len is None and len(names) > 1:
+        # several modalities at the default context: state the bpv on the measured runs of the
+        # median-length history (text, image, text... as a real prompt interleaves them), so the
+        # plan's bpv is that prompt's bytes exactly, not those of one contiguous run per modality
+        median = next(s for s in samples if len(s.history_labels) == T)
+        layout = tuple((lab, n) for lab, _, n in label_runs(median.history_labels))
+    return Reference(context_len=T, modality_mix=tuple(mix), full_precision_bits=full_precision_bits,
+                     layout=layout), mods
 
 
 @dataclass

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 import pytest
 import torch
 import yaml
@@ -108,3 +110,43 @@ def test_cache_bytes_equal_plan_bpv_with_new_formats(n_tokens):
     assert blk_k.scale.dtype == torch.float8_e4m3fn and blk_k.zero.dtype == torch.float16
     assert blk_v.zero is None and blk_v.fmt.name == "lloyd3-absmax-e4m3"
     kvplan.unload(model)
+
+
+def test_reference_layout_states_the_bpv_of_interleaved_runs(tmp_path):
+    """A measured layout (text, visual, text, visual runs) gives the bytes of exactly that prompt;
+    the contiguous mix of the same fractions gives other bytes (partial groups at run boundaries)."""
+    from kvplan.plans import Reference, layout_labels
+    from kvplan.plans.accounting import plan_bpv
+
+    layout = (("text", 14), ("visual", 300), ("text", 20), ("visual", 300), ("text", 30))
+    T = sum(n for _, n in layout)
+    mix = (("text", 64 / T), ("visual", 1 - 64 / T))
+    plan = uniform_plan(GEOM, 2, 2, group_size=32, residual_length=0, modalities=("text", "visual"),
+                        reference=Reference(T, mix, 16, layout))
+    plan = plan.with_table(np.where(np.arange(2)[None, None, None, :] == 1, 4, 2) * np.ones((2, 2, 2, 2), int))
+    labels = [lab for lab, n in layout for _ in range(n)]
+    assert plan.bpv().total == plan_bpv(plan, GEOM, T, labels).total
+    assert plan.bpv().total != plan.bpv(modality_mix=mix).total
+    path = tmp_path / "p.yaml"
+    plan.to_yaml(path)
+    assert yaml.safe_load(path.read_text())["budget"]["reference"]["layout"][1] == ["visual", 300]
+    back = Plan.from_yaml(path)
+    assert back.reference.layout == layout and back.bpv() == plan.bpv()
+    assert layout_labels(T, mix) != labels
+
+
+@pytest.mark.parametrize("layout,msg", [
+    ([["text", 10]], "runs must add up to context_len"),
+    ([["audio", 664]], "modality must be one of"),
+    ([["text", 0], ["text", 664]], r"layout\[0\]\[1\]: must be in \[1"),
+    ([["text"]], r"layout\[0\]: must be a \[modality, tokens\] pair"),
+    ({"text": 664}, "must be a non-empty list"),
+])
+def test_bad_reference_layout_names_its_entry(layout, msg, tmp_path):
+    doc = uniform_plan(GEOM, 2, 2).to_dict()
+    doc["budget"]["reference"].update(context_len=664, layout=layout)
+    doc["budget"].pop("bpv")
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=msg):
+        Plan.from_yaml(path)

@@ -162,3 +162,34 @@ def test_search_on_a_tiny_vlm_task_stores_each_modality_at_its_bits(vlm_task, tm
                     want = 16 if t < sink else table[layer, h, k, plan.modalities.index(labels[t])]
                     assert b == want, (layer, kind, h, t)
     assert len(cache.token_bits(0, "k")[0]) >= 128  # most of the history was committed
+
+
+def test_vlm_search_at_the_default_context_states_bpv_on_a_real_prompt_layout(vlm_task, tmp_path):
+    """At the default context (the median calibration history) the plan's reference records that
+    history's own interleaved text / image runs, and deploying that record's prompt through
+    kvplan.load stores exactly the plan's stated bpv."""
+    import kvplan
+    from kvplan.evaluation import get_model, read_jsonl, split_records
+    from kvplan.evaluation.tasks import encode_user_record
+    from kvplan.plans.accounting import label_runs
+    from kvplan.search import search
+    from tests.evaluation.test_vlm_tasks import _tiny_llava_ov
+
+    model, proc = _tiny_llava_ov(get_model()[1])
+    out = tmp_path / "vlm.yaml"
+    search((model, proc), budget="8bpv", task=str(vlm_task), n_trials=3, profile=False, residual_lengths=(0,),
+           group_sizes=(32,), out=out, progress=False)
+    plan = kvplan.Plan.from_yaml(out)
+    layout = plan.reference.layout
+    assert layout is not None and len(layout) > 2  # several interleaved runs, not one run per modality
+    cal = [encode_user_record(r, model, proc) for r in split_records(read_jsonl(vlm_task), "calibration")]
+    sample = next(s for s in cal if tuple((lab, n) for lab, _, n in label_runs(s.history_labels)) == layout)
+    ids = torch.tensor([sample.history_ids])
+    kvplan.load(model, out)
+    try:
+        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **sample.prefill_inputs,
+                             max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+    finally:
+        kvplan.unload(model)
+    assert gen.cache.get_seq_length() == plan.reference.context_len
+    assert gen.cache.bpv() == plan.bpv().total
