@@ -17,7 +17,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..models.geometry import Geometry
-from ..plans import atomic_write_text, uniform_plan
+from ..plans import uniform_plan
+from ..plans._files import write_file_set
 from .harness import bootstrap_ratio, evaluate
 
 SWEEP_BITS = (16, 8, 4, 2)
@@ -89,10 +90,10 @@ def write_sweep(out: dict[str, Any], out_dir: str, meta: dict[str, Any]) -> dict
     w.writeheader()
     for r in out["rows"]:
         w.writerow({k: r.get(k) for k in CSV_FIELDS})
-    atomic_write_text(paths["csv"], buf.getvalue())
-    atomic_write_text(paths["json"], json.dumps(
+    # the CSV and the JSON as one set (a kill leaves the old pair or the new pair), then the figure
+    write_file_set({paths["csv"]: buf.getvalue(), paths["json"]: json.dumps(
         {"meta": meta, "rows": out["rows"], "ratios": out["ratios"], "results": out["results"]}, indent=1,
-        default=float))
+        default=float)})
     plot_sweep(out["rows"], paths["png"], title=meta.get("title", "KV sensitivity"))
     return paths
 
