@@ -205,3 +205,20 @@ def test_cli_context_batch_html(searched, tmp_path):
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--context" in r.stderr
     r = _kvplan("explain", searched, "--html", str(tmp_path / "r.html" / "x.html"))
     assert r.returncode == 2 and r.stderr.startswith("kvplan: error: --html") and "Traceback" not in r.stderr
+
+
+def test_text_report_names_the_slot_formats(tmp_path):
+    import dataclasses
+
+    from kvplan.kernels.formats import default_codebook
+
+    base = uniform_plan(GEOM, 2, 2, modalities=MODS, reference=REF)
+    q = dataclasses.replace(base.quantizer, value_scaling="absmax-e4m3",
+                            codebooks=(("v", 2, default_codebook(2, "absmax-e4m3", 32)),))
+    path = tmp_path / "p.yaml"
+    base.replace(quantizer=q).to_yaml(path)
+    txt = explain(str(path))
+    assert "slot formats: keys minmax-fp16, uniform levels; values absmax-e4m3, Lloyd-Max codebooks at [2] bits" in txt
+    v1 = tmp_path / "v1.yaml"
+    base.to_yaml(v1)
+    assert "slot formats" not in explain(str(v1))

@@ -63,11 +63,14 @@ def _header(rep: dict, L: list[str]) -> None:
         L.append(f"key correction: key slots marked 'correct' also store a rank-{q['key_correction_rank']} "
                  f"{q['key_correction_bits']}-bit code of their error in per-head query bases learned on the "
                  "calibration data (HeadQ-style)")
-    if q.get("key_scaling") or q.get("codebooks"):  # schema-2 slot formats (kvplan.kernels.formats)
-        books = q.get("codebooks") or {}
+    v1 = "minmax-fp16"
+    if q.get("key_scaling", v1) != v1 or q.get("value_scaling", v1) != v1 or q.get("codebooks"):
+        # schema-2 slot formats (kvplan.kernels.formats); v1 plans say nothing new
+        books = q.get("codebooks") or ()  # ((kind, bits, levels), ...) as in QuantizerSettings
+        bits_of = {k: sorted(b for kk, b, _ in books if kk == k) for k in ("k", "v")}
         L.append("slot formats: " + "; ".join(
             f"{name} {q.get(kind + '_scaling', 'minmax-fp16')}"
-            + (f", Lloyd-Max codebooks at {sorted(books[kind[0]])} bits" if kind[0] in books else ", uniform levels")
+            + (f", Lloyd-Max codebooks at {bits_of[kind[0]]} bits" if bits_of[kind[0]] else ", uniform levels")
             for kind, name in (("key", "keys"), ("value", "values"))))
     rot = [w for w, on in (("a Hadamard rotation of quantized K and V", q.get("rotation") == "hadamard"),
                            ("keys rotated back to the pre-RoPE frame", q.get("key_pre_rope"))) if on]
@@ -208,6 +211,8 @@ def _pareto(rep: dict, L: list[str]) -> None:
     L.append("")
     L.append(f"Pareto front (calibration KL vs bpv) of {hist['n_trials']} trials (figure pareto): " + ", ".join(
         f"{p['bpv']:.4f}->{p['kl']:.4g}" for p in hist["pareto"]))
+    if hist.get("measured_on"):  # host -> trials, from each trial's provenance (several workers / machines)
+        L.append("trials measured on (host: trials): " + ", ".join(f"{h}: {n}" for h, n in hist["measured_on"].items()))
     if hist.get("baselines"):
         L.append("baselines in the study (calibration): " + ", ".join(
             f"{p['label']} {p['bpv']:.4f} bpv KL {p['kl']:.4g}" for p in hist["baselines"]))
