@@ -198,6 +198,10 @@ def test_threads_reach_the_evaluation(monkeypatch):
         raise _Reached()
 
     monkeypatch.setattr(kvplan.models, "load_model", stub)
+    # a model an earlier test loaded stays in the per-process cache and would skip load_model
+    import kvplan.evaluation
+
+    monkeypatch.setattr(kvplan.evaluation, "_MODELS", {})
     before = torch.get_num_threads()
     n = 3 if before != 3 else 2
     try:
