@@ -89,12 +89,11 @@ class Format:
     def __post_init__(self):
         if self.bits == FULL_PRECISION_BITS:
             return
-        qt = qtype(self.bits)
+        qtype(self.bits)  # a quantized width
         sc = scaling(self.scaling)
         if self.levels is not None:
             object.__setattr__(self, "levels", tuple(float(v) for v in self.levels))
             check_levels(self.levels, self.bits, sc.symmetric)
-        del qt
 
     @property
     def full_precision(self) -> bool:

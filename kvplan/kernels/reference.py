@@ -90,11 +90,12 @@ def _byte_codes(bits: int, device) -> torch.Tensor:
 _BYTE_LEVELS: dict = {}
 
 
-def _byte_levels(levels: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[256, 4]``: the 2-bit codebook levels of the four codes packed in each byte value."""
-    key = (tuple(levels.tolist()), str(levels.device))
+def _byte_levels(fmt: Format, device) -> torch.Tensor:
+    """fp32 ``[256, 4]``: the 2-bit levels of ``fmt`` of the four codes packed in each byte value
+    (keyed on the format itself: no read of the level tensor, so no host sync, on the decode path)."""
+    key = (fmt, str(device))
     if key not in _BYTE_LEVELS:
-        _BYTE_LEVELS[key] = levels[_byte_codes(2, levels.device).long()]
+        _BYTE_LEVELS[key] = fmt.level_units(device)[_byte_codes(2, device).long()]
     return _BYTE_LEVELS[key]
 
 
@@ -277,7 +278,7 @@ def dequantize_into(
         # 2 bits: one table lookup per byte writes its four codes (or levels) as floats straight into
         # out (1.3-1.5x faster than the shift passes below on one CPU thread; at 4 bits it is slower)
         idx = packed.to(torch.int32).reshape(-1)
-        table = _byte_codes(bits, out.device) if levels is None else _byte_levels(levels)
+        table = _byte_codes(bits, out.device) if levels is None else _byte_levels(fmt, out.device)
         torch.index_select(table, 0, idx, out=out.view(-1, 4))
     elif levels is not None:
         codes = unpack_codes(packed, bits, D).reshape(-1).to(torch.int32)
