@@ -101,6 +101,19 @@ def test_bad_task_file_from_the_console_script(tmp_path):
                                              "(got 'list')"]
 
 
+def _deployed_cache(model, plan_path, sample, max_new_tokens: int):
+    """The cache ``kvplan.load(model, plan_path)`` gives ``generate`` on ``sample``'s prompt and images."""
+    import kvplan
+
+    ids = torch.tensor([sample.history_ids])
+    kvplan.load(model, plan_path)
+    try:
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **sample.prefill_inputs,
+                              max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True).cache
+    finally:
+        kvplan.unload(model)
+
+
 @pytest.fixture(scope="module")
 def vlm_task(tmp_path_factory):
     from PIL import Image
@@ -144,14 +157,7 @@ def test_search_on_a_tiny_vlm_task_stores_each_modality_at_its_bits(vlm_task, tm
     # deploy: generate with the images of a test record; every committed token at its modality's bits
     rec = split_records(read_jsonl(vlm_task), "test")[0]
     sample = encode_user_record(rec, model, proc)
-    ids = torch.tensor([sample.history_ids])
-    kvplan.load(model, out)
-    try:
-        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **sample.prefill_inputs,
-                             max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
-    finally:
-        kvplan.unload(model)
-    cache = gen.cache
+    cache = _deployed_cache(model, out, sample, max_new_tokens=2)
     table = plan.table()  # [L, H, 2, M]
     labels = sample.history_labels
     sink = plan.quantizer.sink_length
@@ -184,12 +190,6 @@ def test_vlm_search_at_the_default_context_states_bpv_on_a_real_prompt_layout(vl
     assert layout is not None and len(layout) > 2  # several interleaved runs, not one run per modality
     cal = [encode_user_record(r, model, proc) for r in split_records(read_jsonl(vlm_task), "calibration")]
     sample = next(s for s in cal if tuple((lab, n) for lab, _, n in label_runs(s.history_labels)) == layout)
-    ids = torch.tensor([sample.history_ids])
-    kvplan.load(model, out)
-    try:
-        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **sample.prefill_inputs,
-                             max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
-    finally:
-        kvplan.unload(model)
-    assert gen.cache.get_seq_length() == plan.reference.context_len
-    assert gen.cache.bpv() == plan.bpv().total
+    cache = _deployed_cache(model, out, sample, max_new_tokens=1)
+    assert cache.get_seq_length() == plan.reference.context_len
+    assert cache.bpv() == plan.bpv().total
