@@ -145,7 +145,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
         if all(os.path.isfile(os.path.join(converted, f)) for f in ("config.json", "model.safetensors")):
             source = converted
             del kwargs["gguf_file"]
-        elif dtype is None:  # only the file's own conversion (fp32) is saved
+        elif dtype in (None, torch.float32):  # only the file's own conversion (fp32) is saved
             save_to = converted
     try:
         config = transformers.AutoConfig.from_pretrained(source, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
