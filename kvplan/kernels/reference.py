@@ -43,6 +43,17 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     n = codes.shape[-1]
     units = -(-n // qt.codes_per_unit)
     pad = units * qt.codes_per_unit - n
+    if bits == 8:
+        return codes.to(torch.uint8)
+    if qt.unit_bytes == 1:  # 2 and 4 bits: OR the shifted codes of each byte in uint8 (3-4x faster than int32)
+        c = codes.to(torch.uint8)
+        if pad:
+            c = torch.nn.functional.pad(c, (0, pad))
+        c = c.reshape(*codes.shape[:-1], units, qt.codes_per_unit)
+        out = c[..., 0].clone()
+        for j in range(1, qt.codes_per_unit):
+            out |= c[..., j] << (j * bits)
+        return out
     c = codes.to(torch.int32)
     if pad:
         c = torch.nn.functional.pad(c, (0, pad))
@@ -214,9 +225,16 @@ def _quantize_format(x: torch.Tensor, fmt: Format, group_size: int, axis: str, s
     L = fmt.level_units(x.device)
     if L is None:  # uniform min-max levels L[c] = c
         codes = torch.round(u).clamp_(0, qmax)
+    elif fmt.bits <= 4:
+        # nearest level = number of midpoints below u (torch.bucketize's count, 3-6x faster at <= 15
+        # midpoints); a value on a midpoint goes to the lower level, as bucketize puts it
+        mids = (L[1:] + L[:-1]) / 2  # 0-d tensor operands below: no host sync on CUDA
+        codes = (u > mids[0]).to(torch.uint8)
+        for j in range(1, mids.shape[0]):
+            codes += u > mids[j]
     else:
-        codes = torch.bucketize(u, (L[1:] + L[:-1]) / 2).float()
-    codes = torch.where(s > 0, codes, torch.zeros_like(codes)).to(torch.uint8)
+        codes = torch.bucketize(u, (L[1:] + L[:-1]) / 2).to(torch.uint8)
+    codes = codes.to(torch.uint8).masked_fill_(s <= 0, 0)
     return pack_codes(codes, fmt.bits), scale, zero
 
 
