@@ -457,7 +457,7 @@ def fmt(x, spec=".2f"):
 
 def render(meta, decode, prefill, skip, targets) -> str:
     L = [f"# Runtime benchmark ({meta['device']})", "",
-         f"Command: `{meta['command']}`", "",
+         f"Command: `{meta['command']}` at commit {meta.get('commit', '?')}", "",
          f"{meta['model']}, {meta['dtype']}, torch {meta['torch']}, transformers {meta['transformers']}, "
          f"{meta['threads']} torch thread(s), {meta['cpu']}; {meta['date']}. Host load average at start: "
          f"{meta['loadavg']}.", "",
@@ -604,7 +604,11 @@ def main(argv=None) -> int:
     decode_cells = args.decode_cells or [(T, B) for T in args.contexts for B in args.batches]
     max_t = max([t for t, _ in decode_cells] + [t for t, _ in args.prefill_cells])
     ids_all = text_ids(tok, max_t)
-    meta = {"device": args.device if not is_cuda else torch.cuda.get_device_name(),
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    meta = {"commit": commit + (" (uncommitted changes)" if dirty else ""),
+            "device": args.device if not is_cuda else torch.cuda.get_device_name(),
             "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv or sys.argv[1:])),
             "model": "SmolLM2-135M-Instruct (embedded)", "dtype": str(dtype).split(".")[1],
             "torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads,
