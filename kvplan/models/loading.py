@@ -105,8 +105,11 @@ def _save_converted(model, proc, target: str) -> None:
         proc.save_pretrained(tmp)
         os.rename(tmp, target)
         tmp = None
-    except OSError:
-        pass
+    except (OSError, ValueError, RuntimeError) as e:  # e.g. disk full, read-only cache folder
+        import warnings
+
+        warnings.warn(f"kvplan: the converted model was not cached in {parent} ({e}); the next load converts "
+                      "the GGUF file again", stacklevel=3)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -139,11 +142,11 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
         source = name
     if "gguf_file" in kwargs and importlib.util.find_spec("gguf") is None:
         raise ModelLoadError("loading a GGUF file needs the 'gguf' package: pip install gguf accelerate")
-    save_to = None
+    save_to = from_cache = None
     if "gguf_file" in kwargs and model_cache_enabled():
         converted = converted_gguf_dir(os.path.join(source, kwargs["gguf_file"]))
         if all(os.path.isfile(os.path.join(converted, f)) for f in ("config.json", "model.safetensors")):
-            source = converted
+            source = from_cache = converted
             del kwargs["gguf_file"]
         elif dtype in (None, torch.float32):  # only the file's own conversion (fp32) is saved
             save_to = converted
@@ -158,7 +161,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
             proc = transformers.AutoTokenizer.from_pretrained(
                 source, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from e
+        where = "" if from_cache is None else f" (from its cached conversion {from_cache}: delete that folder to convert again)"
+        raise ModelLoadError(f"cannot load model {name!r}{where}: {str(e).splitlines()[0]}") from e
     if save_to is not None:
         _save_converted(model, proc, save_to)
     model.eval()

@@ -56,5 +56,22 @@ def test_unwritable_cache_does_not_fail_the_load(tmp_path):
     target = tmp_path / "converted" / "abc"
     blocker = tmp_path / "converted"
     blocker.write_text("a file where the cache folder should be")
-    _save_converted(Broken(), Broken(), str(target))  # no exception: the cache is skipped
+    with pytest.warns(UserWarning, match="not cached"):
+        _save_converted(Broken(), Broken(), str(target))  # no exception: the cache is skipped
     assert blocker.is_file() and not target.exists()
+
+
+def test_a_broken_cached_conversion_names_its_folder(tmp_path, monkeypatch):
+    from kvplan.errors import ModelLoadError
+    from kvplan.models import loading
+
+    monkeypatch.setenv("KVPLAN_CACHE_DIR", str(tmp_path))
+    folder, gguf = loading.default_model_path()
+    converted = loading.converted_gguf_dir(os.path.join(folder, gguf))
+    os.makedirs(converted)
+    for name in ("config.json", "model.safetensors"):  # present but not a model
+        with open(os.path.join(converted, name), "w") as f:
+            f.write("{}")
+    with pytest.raises(ModelLoadError) as e:
+        loading.load_model()
+    assert converted in str(e.value) and "delete that folder" in str(e.value) and "\n" not in str(e.value)
