@@ -73,6 +73,8 @@ def _cmd_search(args) -> int:
         extra["sink_lengths"] = tuple(args.sink_lengths)
     if args.head_profile is not None:
         extra["profile_head_units"] = args.head_profile
+    if args.no_profile:
+        extra["profile"] = False
     if args.key_correction_rank is not None:
         extra["key_correction_rank"] = args.key_correction_rank
     if args.rotation is not None:
@@ -251,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sink-lengths", type=int, nargs="+", default=None, metavar="N",
                    help="choices for the number of first (attention-sink) tokens kept at full precision "
                         "(default: 0 1 4)")
+    s.add_argument("--no-profile", action="store_true",
+                   help="skip the sensitivity profile (2 evaluations per layer before the trials): faster, "
+                        "but the knapsack seed and the surrogate lose its damage prior")
     s.add_argument("--head-profile", type=int, default=None, metavar="UNITS",
                    help="profile the KV heads of this many most damaging (layer, K/V) units one by one "
                         "(slot granularity; default 12, 0 = off)")

@@ -78,9 +78,11 @@ def test_search_then_explain_then_load(tmp_path, smollm2):
 
     out = tmp_path / "plan.yaml"
     r = _kvplan("--threads", "1", "search", "--budget", "3.5bpv", "--samples", "2", "--validation-samples", "2", "--test-samples", "2",
-                "--history-tokens", "96", "--eval-tokens", "8", "--trials", "4", "--quiet", "--out", str(out))
+                "--history-tokens", "96", "--eval-tokens", "8", "--trials", "4", "--head-profile", "0", "--quiet",
+                "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     plan = Plan.from_yaml(out)
+    assert plan.metrics["search"]["n_profile_evals"] == 62  # 30 layers x K/V + keys with/without correction
     assert plan.bpv().total <= 3.5 and plan.target_bpv == 3.5
     assert plan.provenance.produced_by.startswith("kvplan search")
     assert plan.metrics["test"]["kl"] > 0 and plan.metrics["validation"]["kl"] > 0

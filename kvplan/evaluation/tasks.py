@@ -22,9 +22,11 @@ default chosen by measurement is chosen here) and ``test`` (reported, never used
 the topic name, so no two splits share a topic. Everything is deterministic given the
 arguments.
 
-User task: JSONL lines ``{"history": str, "images": [paths] (optional), "question": str,
-"choices": [str] (optional), "answer": str | int (optional), "id": str (optional)}``; VLM
-prompts go through the model's processor and image/video tokens are labelled ``"visual"``
+User task: JSONL lines ``{"history": str, "images": [paths] (optional), "video": [frame paths]
+(optional: one clip, its frames in order, all of one size), "question": str, "choices": [str]
+(optional), "answer": str | int (optional), "id": str (optional)}``; the images, then the clip,
+come before the history text. VLM prompts go through the model's processor (its image and video
+tokens expanded as the processor expands them) and image/video tokens are labelled ``"visual"``
 (the runtime's labelling, :func:`kvplan.models.modality.labels_from_input_ids`). Records are
 split by a hash of ``(seed, id)``: half calibration, a quarter validation, a quarter test.
 """
@@ -185,7 +187,7 @@ def default_task_samples(tokenizer, split: str = "test", n: int = 16, history_to
 
 
 # ----------------------------------------------------------------------------- user JSONL task
-RECORD_FIELDS = ("history", "images", "question", "choices", "answer", "id")
+RECORD_FIELDS = ("history", "images", "video", "question", "choices", "answer", "id")
 MAX_TASK_BYTES = 1 << 30  # a task file is read whole; refuse anything larger than 1 GiB
 
 
@@ -213,6 +215,10 @@ def _check_record(rec, path, line: int) -> None:
     images = rec.get("images")
     if images is not None and (not isinstance(images, list) or not all(isinstance(x, str) and x for x in images)):
         raise _record_error(path, line, "field 'images' must be a list of image file paths", images)
+    video = rec.get("video")
+    if video is not None and (not isinstance(video, list) or not video
+                              or not all(isinstance(x, str) and x for x in video)):
+        raise _record_error(path, line, "field 'video' must be a non-empty list of frame image paths", video)
     choices = rec.get("choices")
     if choices is not None and (not isinstance(choices, list) or len(choices) < 2
                                 or not all(isinstance(c, str) and c for c in choices)):
@@ -301,19 +307,41 @@ def _load_image(path: str, rec: dict[str, Any]):
         raise TaskError(f"{where}: cannot read image {full} ({e})") from None
 
 
+def _media_prompt(rec: dict[str, Any], processor, images: list, frames: list) -> tuple[str, dict[str, Any]]:
+    """The processor's text (one placeholder per image, then one for the clip, each on its own
+    line so that they are separate runs of visual tokens, then the history) and media inputs."""
+    import numpy as np
+
+    where = f"record {rec.get('id')} (line {rec.get('_line', '?')})"
+    text, media = "", {}
+    for kind, items, token_attr in (("images", images, "image_token"), ("video", frames, "video_token")):
+        if not items:
+            continue
+        token = getattr(processor, token_attr, None)
+        if token is None:
+            raise TaskError(f"{where}: has {kind} but the model's processor has no {token_attr.replace('_', ' ')} "
+                            "(is this a vision-language model?)")
+        if kind == "images":
+            text += "".join(token + "\n" for _ in items)
+            media["images"] = items
+        else:
+            sizes = sorted({f.size for f in items})
+            if len(sizes) > 1:
+                raise TaskError(f"{where}: the video's frames must share one size, got {sizes}")
+            text += token + "\n"
+            media["videos"] = [np.stack([np.asarray(f) for f in items])]  # one clip [T, H, W, 3]
+    return text + rec["history"], media
+
+
 def encode_user_record(rec: dict[str, Any], model, processor) -> Sample:
-    """One JSONL record -> :class:`Sample`. Images are placed before the history text; every
+    """One JSONL record -> :class:`Sample`. Images, then the video clip, come before the history text; every
     history token is labelled as the runtime labels it (image/video tokens ``visual``)."""
     tok = _tokenizer_of(processor)
     images = [_load_image(p, rec) for p in rec.get("images") or []]
-    if images:
-        image_token = getattr(processor, "image_token", None)
-        if image_token is None:
-            raise TaskError(f"record {rec.get('id')}: has images but the model's processor has no image token "
-                            "(is this a vision-language model?)")
-        # one image placeholder per image, each on its own line (separate runs of visual tokens)
-        text = "".join(image_token + "\n" for _ in images) + rec["history"]
-        enc = processor(text=[text], images=images, return_tensors="pt")
+    frames = [_load_image(p, rec) for p in rec.get("video") or []]
+    if images or frames:
+        text, media = _media_prompt(rec, processor, images, frames)
+        enc = processor(text=[text], return_tensors="pt", **media)
         ids = enc["input_ids"][0].tolist()
         extra = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
     else:

@@ -115,6 +115,22 @@ def _save_converted(model, proc, target: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+VLM_INSTALL = "pip install torch==2.14.1 torchvision==0.29.1 (./scripts/setup.sh installs this pair)"
+
+
+def _vlm_processor(source: str, name: str):
+    """``AutoProcessor`` of a VLM; transformers' image/video processors of e.g. LLaVA-OneVision and
+    Qwen2.5-VL need torchvision: without it, one line naming the command that installs it."""
+    import transformers
+
+    try:
+        return transformers.AutoProcessor.from_pretrained(source)
+    except ImportError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot load the processor of model {name!r}: {first} -- install a matching torch and "
+                             f"torchvision: {VLM_INSTALL}") from e
+
+
 def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None):
     """Load ``(model, tokenizer_or_processor)``.
 
@@ -155,7 +171,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
         is_vlm = hasattr(config, "vision_config")
         if is_vlm:
             model = transformers.AutoModelForImageTextToText.from_pretrained(source, **kwargs)
-            proc = transformers.AutoProcessor.from_pretrained(source)
+            proc = _vlm_processor(source, name)
         else:
             model = transformers.AutoModelForCausalLM.from_pretrained(source, **kwargs)
             proc = transformers.AutoTokenizer.from_pretrained(

@@ -9,35 +9,14 @@ from kvplan.evaluation import evaluate, named_plan, pad_token_id, prepare_sample
 
 skimage = pytest.importorskip("skimage")
 
-IMAGE_TOKEN = "<image>"
 
+def _with_tokens(tok, tokens):
+    """A copy of the SmolLM2 tokenizer with a VLM's special tokens added (ids after its vocabulary)."""
+    import copy
 
-class TinyProcessor:
-    """Stands in for a VLM processor offline: the SmolLM2 tokenizer + a real image processor class;
-    each image token is expanded to as many tokens as the vision tower yields for that image."""
-
-    def __init__(self, tokenizer, image_processor, image_token_id, count):
-        self.tokenizer = tokenizer
-        self.image_processor = image_processor
-        self.image_token = IMAGE_TOKEN
-        self.image_token_id = image_token_id
-        self.count = count  # (processor output) -> number of visual tokens per image
-
-    def __call__(self, text, images, return_tensors="pt"):
-        enc = self.image_processor(images=images, return_tensors="pt")
-        counts = self.count(enc)
-        ids = []
-        pieces = text[0].split(IMAGE_TOKEN)
-        for i, piece in enumerate(pieces):
-            if piece:
-                ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
-            if i < len(pieces) - 1:
-                ids += [self.image_token_id] * counts[i]
-        out = dict(enc)
-        out["input_ids"] = torch.tensor([ids])
-        if "image_grid_thw" in enc:  # Qwen2.5-VL needs the token types for 3-D positions
-            out["mm_token_type_ids"] = (out["input_ids"] == self.image_token_id).int()
-        return out
+    t = copy.deepcopy(tok)
+    t.add_tokens(list(tokens), special_tokens=True)
+    return t
 
 
 def _write_task(tmp_path):
@@ -48,12 +27,19 @@ def _write_task(tmp_path):
         p = tmp_path / f"{name}.png"
         Image.fromarray(getattr(skimage.data, name)()).resize((112, 112)).save(p)
         paths.append(p.name)
+    frames = []  # a 4-frame "video": the rocket panning right
+    rocket = Image.fromarray(skimage.data.rocket()).convert("RGB").resize((224, 112))
+    for i in range(4):
+        p = tmp_path / f"frame{i}.png"
+        rocket.crop((28 * i, 0, 28 * i + 112, 112)).save(p)
+        frames.append(p.name)
     recs = [
         {"history": "Two photos: a person in a space suit and a cup of coffee.", "images": paths,
          "question": "What is in the second photo?", "choices": ["coffee", "a dog", "a car", "a tree"],
          "answer": "coffee"},
         {"history": "A photo of an astronaut.", "images": paths[:1], "question": "Who is this?",
          "answer": "an astronaut"},
+        {"history": "A short clip of a rocket.", "video": frames, "question": "What moves?", "answer": "a rocket"},
     ]
     f = tmp_path / "task.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
@@ -71,52 +57,50 @@ def tok(smol):
 
 
 def _tiny_llava_ov(tok):
+    """A tiny random LLaVA-OneVision (Qwen2 decoder, SigLIP tower on 56-px tiles) and its real
+    ``LlavaOnevisionProcessor`` (image and video processors as transformers builds them)."""
     from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
-                              LlavaOnevisionImageProcessor)
+                              LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor)
 
-    vocab = len(tok) + 8
-    image_id = len(tok) + 1
+    tok = _with_tokens(tok, ["<image>", "<video>"])
+    image_id, video_id = tok.convert_tokens_to_ids(["<image>", "<video>"])
     cfg = LlavaOnevisionConfig(
-        text_config={"model_type": "qwen2", **_text_cfg(vocab)},
+        text_config={"model_type": "qwen2", **_text_cfg(len(tok))},
         vision_config={"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
                        "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
-        image_token_index=image_id, video_token_index=image_id + 1, image_grid_pinpoints=[[56, 56], [56, 112]],
+        image_token_index=image_id, video_token_index=video_id, image_grid_pinpoints=[[56, 56], [56, 112]],
         vision_feature_layer=-1, vision_feature_select_strategy="full")
     torch.manual_seed(0)
     model = LlavaOnevisionForConditionalGeneration(cfg).eval()
     ip = LlavaOnevisionImageProcessor(size={"height": 56, "width": 56}, image_grid_pinpoints=[[56, 56], [56, 112]],
                                       crop_size={"height": 56, "width": 56}, do_pad=True)
-
-    def count(enc):
-        with torch.no_grad():
-            feats = model.model.get_image_features(pixel_values=enc["pixel_values"], image_sizes=enc["image_sizes"])
-        feats = getattr(feats, "pooler_output", feats)
-        return [f.shape[0] for f in feats]
-
-    return model, TinyProcessor(tok, ip, image_id, count)
+    vp = LlavaOnevisionVideoProcessor(size={"height": 56, "width": 56})
+    proc = LlavaOnevisionProcessor(image_processor=ip, tokenizer=tok, video_processor=vp, num_image_tokens=16,
+                                   vision_feature_select_strategy="full")
+    return model, proc
 
 
 def _tiny_qwen25_vl(tok):
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+    """A tiny random Qwen2.5-VL (3-D M-RoPE) and its real ``Qwen2_5_VLProcessor``."""
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
+                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
 
-    vocab = len(tok) + 8
-    image_id = len(tok) + 1
+    tok = _with_tokens(tok, ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    image_id, video_id, start_id, end_id = tok.convert_tokens_to_ids(
+        ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
     cfg = Qwen2_5_VLConfig(
-        text_config={**_text_cfg(vocab), "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3],
-                                                            "rope_theta": 10000.0}},
+        text_config={**_text_cfg(len(tok)), "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                              "rope_theta": 10000.0}},
         vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                        "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
                        "fullatt_block_indexes": [0], "window_size": 56},
-        image_token_id=image_id, video_token_id=image_id + 1, vision_start_token_id=image_id + 2,
-        vision_end_token_id=image_id + 3)
+        image_token_id=image_id, video_token_id=video_id, vision_start_token_id=start_id, vision_end_token_id=end_id)
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    ip = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2)
-
-    def count(enc):
-        return [int(t.prod()) // 4 for t in enc["image_grid_thw"]]
-
-    return model, TinyProcessor(tok, ip, image_id, count)
+    pixels = dict(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2)
+    proc = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tok,
+                               video_processor=Qwen2VLVideoProcessor(**pixels, temporal_patch_size=2))
+    return model, proc
 
 
 @pytest.mark.slow
@@ -124,10 +108,15 @@ def _tiny_qwen25_vl(tok):
 def test_user_jsonl_task_on_tiny_vlm(tmp_path, tok, build):
     model, proc = build(tok)
     samples = user_task_samples(_write_task(tmp_path), model, proc)
-    assert len(samples) == 2
-    s0 = samples[0]
+    assert len(samples) == 3
+    s0, clip = samples[0], samples[2]
     assert s0.history_labels.count("visual") > 0 and s0.history_labels[-1] == "text"
     assert s0.options and s0.answer == 0 and samples[1].options is None
+    # the clip's tokens are the processor's video tokens, labelled visual like image tokens
+    video_id = model.config.video_token_id if hasattr(model.config, "video_token_id") else model.config.video_token_index
+    n_video = clip.history_ids.count(video_id)
+    assert n_video > 0 and clip.history_labels.count("visual") == n_video
+    assert any("video" in k for k in clip.prefill_inputs)
     prepared = prepare_samples(model, samples, pad_id=pad_token_id(proc), progress=False)
     mods = ("text", "visual")
     fp = evaluate(model, named_plan("fp16", model, modalities=mods, residual_length=0), prepared, progress=False)

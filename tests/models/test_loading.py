@@ -75,3 +75,30 @@ def test_a_broken_cached_conversion_names_its_folder(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError) as e:
         loading.load_model()
     assert converted in str(e.value) and "delete that folder" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_vlm_processor_that_needs_torchvision_is_one_line(tmp_path, monkeypatch, capsys):
+    """Without torchvision transformers cannot build a LLaVA-OneVision / Qwen2.5-VL processor
+    (their video processors import it): one line naming the command that installs the pair."""
+    import transformers
+
+    from kvplan.cli import main
+    from kvplan.evaluation import named_plan
+    from tests.tiny_models import tiny_llava_onevision
+
+    model = tiny_llava_onevision()
+    model.save_pretrained(tmp_path / "vlm")
+    named_plan("int4", model, modalities=("text", "visual")).to_yaml(tmp_path / "plan.yaml")
+
+    def no_torchvision(*args, **kwargs):
+        raise ImportError("\nLlavaOnevisionVideoProcessor requires the Torchvision library but it was not found in "
+                          "your environment.\nCheck out the instructions on the installation page ...")
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", no_torchvision)
+    capsys.readouterr()
+    code = main(["validate", str(tmp_path / "plan.yaml"), "--model", str(tmp_path / "vlm")])
+    err = [line for line in capsys.readouterr().err.strip().splitlines()
+           if not line.startswith("Loading weights")]  # transformers' progress bar of the weights it read
+    assert code == 2 and len(err) == 1, err
+    assert "cannot load the processor of model" in err[0] and "requires the Torchvision library" in err[0]
+    assert "pip install torch==2.14.1 torchvision==0.29.1" in err[0]

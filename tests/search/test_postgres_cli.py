@@ -22,7 +22,7 @@ def _worker(url, i, out):
     exe = os.path.join(os.path.dirname(sys.executable), "kvplan")
     args = [exe, "--threads", "1", "search", "--budget", "3.0bpv", "--trials", str(TRIALS), "--samples", "2",
             "--validation-samples", "1", "--test-samples", "1", "--history-tokens", "256", "--eval-tokens", "8",
-            "--head-profile", "0", "--key-correction-rank", "0", "--storage", url, "--study-name", "s",
+            "--no-profile", "--key-correction-rank", "0", "--storage", url, "--study-name", "s",
             "--worker", str(i), "--heartbeat-interval", "1", "--grace-period", "4", "--quiet", "--out", str(out)]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))

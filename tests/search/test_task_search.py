@@ -37,9 +37,10 @@ def test_cli_search_on_a_text_jsonl_task_deploys_at_its_bpv(tmp_path):
     # the ~200-token records would make a 3 bpv budget unreachable (their fp32 tail of a partial group);
     # the budget is stated at the deployment context instead
     r = _kvplan("--threads", "1", "search", "--task", str(task), "--budget", "3bpv", "--context", "2048",
-                "--samples", "2", "--trials", "4", "--head-profile", "0", "--quiet", "--out", str(out))
+                "--samples", "2", "--trials", "4", "--no-profile", "--quiet", "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     plan = kvplan.Plan.from_yaml(out)
+    assert plan.metrics["search"]["n_profile_evals"] == 0  # --no-profile
     assert plan.modalities == ("text",) and plan.bpv().total <= 3 and plan.reference.context_len == 2048
     assert plan.metrics["test"]["n_samples"] == 2 and plan.metrics["validation"]["n_samples"] == 2
     model, tok = get_model()
@@ -68,6 +69,7 @@ def _main_error(capsys, *argv):
     ('{"history": "x", "question": "q", "answer": "z", "choices": ["a", "b"]}\n', "answer is not one of the choices"),
     ('{"history": 3, "question": "q"}\n', "field 'history' must be a non-empty string"),
     ("not json\n", "not valid JSON"),
+    ('{"history": "x", "question": "q", "video": []}\n', "field 'video' must be a non-empty list of frame image paths"),
     (None, "task file not found"),
 ])
 def test_bad_task_file_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, bad, fragment):
@@ -193,3 +195,43 @@ def test_vlm_search_at_the_default_context_states_bpv_on_a_real_prompt_layout(vl
     cache = _deployed_cache(model, out, sample, max_new_tokens=1)
     assert cache.get_seq_length() == plan.reference.context_len
     assert cache.bpv() == plan.bpv().total
+
+
+def test_cli_search_on_a_saved_tiny_vlm_with_images_and_a_video(vlm_task, tmp_path):
+    """As a VLM user runs it: a model directory (weights, config, the real LLaVA-OneVision processor
+    as ``save_pretrained`` writes it), ``kvplan search --model DIR --task`` with images and a video
+    clip, ``kvplan validate --model DIR``, then the plan deployed with the clip at its stated bpv."""
+    import kvplan
+    from kvplan.evaluation import get_model
+    from kvplan.evaluation.tasks import encode_user_record
+    from tests.evaluation.test_vlm_tasks import _tiny_llava_ov
+
+    model, proc = _tiny_llava_ov(get_model()[1])
+    model_dir = tmp_path / "tiny-llava-ov"
+    model.save_pretrained(model_dir)
+    proc.save_pretrained(model_dir)
+    frames = sorted(p.name for p in vlm_task.parent.glob("*.png"))[:4]
+    task = tmp_path / "task.jsonl"
+    recs = [json.loads(line) for line in vlm_task.read_text().splitlines()]
+    recs += [{"id": f"clip{i}", "history": f"Clip {i}: four photos shown as frames.", "video": frames[i:] + frames[:i],
+              "question": "What is shown first?", "answer": frames[i].removesuffix(".png")} for i in range(2)]
+    task.write_text("".join(json.dumps({**r, **({"images": [str(vlm_task.parent / p) for p in r["images"]]}
+                                                 if "images" in r else {}),
+                                        **({"video": [str(vlm_task.parent / p) for p in r["video"]]}
+                                           if "video" in r else {})}) + "\n" for r in recs))
+    out = tmp_path / "plan.yaml"
+    r = _kvplan("--threads", "1", "search", "--model", str(model_dir), "--task", str(task), "--budget", "4bpv",
+                "--context", "4096", "--trials", "3", "--no-profile", "--quiet", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _kvplan("validate", str(out), "--model", str(model_dir))
+    assert r.returncode == 0 and "modalities ['text', 'visual']" in r.stdout, r.stderr[-3000:]
+    plan = kvplan.Plan.from_yaml(out)
+    loaded, loaded_proc = kvplan.load_model(str(model_dir))
+    assert type(loaded_proc).__name__ == "LlavaOnevisionProcessor"
+    clip = encode_user_record({**recs[-1], "video": [str(vlm_task.parent / p) for p in recs[-1]["video"]]},
+                              loaded, loaded_proc)
+    assert clip.history_labels.count("visual") > 0
+    cache = _deployed_cache(loaded, out, clip, max_new_tokens=2)
+    T = cache.get_seq_length()
+    labels = list(clip.history_labels) + ["text"] * (T - len(clip.history_labels))  # + generated tokens
+    assert cache.bpv() == plan.bpv(context_len=T, modality_mix=labels).total
