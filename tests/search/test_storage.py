@@ -104,6 +104,7 @@ class TestStorageContract:
         n = 16
         cfgs = [{"storage": storage_url, "study": "s", "n": n, "sleep": 0.4, "worker": i, "profile": False, **HB}
                 for i in range(2)]
+        cfgs[1]["sleep"] = 3.0  # the victim's evaluations last long enough for the kill to land mid-trial
         procs = _start_together(cfgs, tmp_path)
         victim = procs[1]
         # wait until the victim holds an evaluation slot mid-trial (after a few finished trials)
