@@ -22,6 +22,7 @@ _LAZY = {
     "make_cache": "kvplan.runtime",
     "unload": "kvplan.runtime",
     "load_model": "kvplan.models.loading",
+    "Labelling": "kvplan.models.modality",
 }
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "Geometry",
     "KVPlanCache",
     "KVPlanError",
+    "Labelling",
     "ModelLoadError",
     "Plan",
     "PlanError",

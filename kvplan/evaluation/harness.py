@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..errors import KVPlanError
-from ..models.modality import labels_from_input_ids
+from ..models.modality import TOKEN_IDS, Labelling, resolve_labelling
 from ..plans import KINDS, Plan, plan_bytes
 from ..runtime.cache import KVPlanCache
 from ..runtime.load import attention_route, check_modalities, make_cache, resolve_plan
@@ -97,6 +97,7 @@ class PreparedSample:
     row_lengths: list[int]
     position_ids: torch.Tensor  # [R, L_max] or [3, R, L_max] (mrope)
     fp: dict[str, Any]  # FP log-probs at the scored positions and FP metrics
+    labelling: Labelling = TOKEN_IDS  # how its history is labelled (checked), also in every plan cache
 
     @property
     def history_len(self) -> int:
@@ -190,29 +191,33 @@ def _choice(option_ll: torch.Tensor, options: list[list[int]]) -> int:
 
 
 # ----------------------------------------------------------------------------- preparation
-def check_labels(model, sample: Sample) -> None:
+def check_labels(model, sample: Sample, labelling: Labelling | None = None) -> None:
     """Raise :class:`ProtocolError` unless the sample's modality labels are the ones the runtime
-    gives its tokens at deployment (``kvplan.load`` labels prompts from their token ids): a
-    label deployment cannot reproduce must never shape or score a plan."""
-    runtime = labels_from_input_ids(torch.tensor([sample.history_ids]), model.config)[0]
+    gives its tokens at deployment (``kvplan.load`` labels prompts with ``labelling``, default
+    their token ids): a label deployment cannot reproduce must never shape or score a plan."""
+    labelling = resolve_labelling(labelling)
+    runtime = labelling(torch.tensor([sample.history_ids]), model.config)[0]
     if list(sample.history_labels) != runtime:
         t = next(i for i, (a, b) in enumerate(zip(sample.history_labels, runtime)) if a != b)
         raise ProtocolError(f"sample {sample.meta.get('id', '?')}: history token {t} is labelled "
-                            f"{sample.history_labels[t]!r} but kvplan.load labels it {runtime[t]!r}; labels must be "
-                            "the runtime's (image/video token ids -> 'visual', the rest 'text')")
+                            f"{sample.history_labels[t]!r} but kvplan.load labels it {runtime[t]!r} (labelling "
+                            f"{labelling.name!r}); labels must be the runtime's")
 
 
 @torch.no_grad()
-def prepare_sample(model, sample: Sample, pad_id: int = 0, attention: str = "auto") -> PreparedSample:
+def prepare_sample(model, sample: Sample, pad_id: int = 0, attention: str = "auto",
+                   labelling: Labelling | None = None) -> PreparedSample:
     """Prefill ``sample``'s history once at full precision and score the FP reference.
 
     The reference's evaluated tokens attend through ``attention`` (the route plans are then
-    scored on, see :func:`evaluate`), so an all-16-bit plan scores KL exactly 0."""
+    scored on, see :func:`evaluate`), so an all-16-bit plan scores KL exactly 0. ``labelling``:
+    how deployment labels the prompt (default: token ids); the sample's labels must be its."""
     from transformers import DynamicCache
 
     dev = _model_device(model)
     ids = torch.tensor([sample.history_ids], dtype=torch.long, device=dev)
-    check_labels(model, sample)
+    labelling = resolve_labelling(labelling)
+    check_labels(model, sample, labelling)
     inputs = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in sample.prefill_inputs.items()}
     if "pixel_values" in inputs and torch.is_floating_point(inputs["pixel_values"]):
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
@@ -237,7 +242,7 @@ def prepare_sample(model, sample: Sample, pad_id: int = 0, attention: str = "aut
     deltas = getattr(rope, "rope_deltas", None) if rope is not None else None
     if deltas is not None:  # mrope: text tokens after the history share one position on all 3 axes
         pos = (pos + deltas.reshape(-1)[0].to("cpu").long())[None].expand(3, R, L)
-    prepared = PreparedSample(sample, kv, rows, lengths, pos.contiguous(), {})
+    prepared = PreparedSample(sample, kv, rows, lengths, pos.contiguous(), {}, labelling)
     with attention_route(model, attention):
         sc = _score_rows(model, _fp_cache(model, prepared), rows, prepared.position_ids, sample)
     fp = {"scored": sc, "nll": _nll(sc["eval"], sample.eval_ids)}
@@ -265,10 +270,10 @@ def _fp_cache(model, prepared: PreparedSample):
 
 
 def prepare_samples(model, samples: Sequence[Sample], pad_id: int = 0, progress: bool = True,
-                    attention: str = "auto") -> list[PreparedSample]:
+                    attention: str = "auto", labelling: Labelling | None = None) -> list[PreparedSample]:
     from tqdm.auto import tqdm
 
-    return [prepare_sample(model, s, pad_id, attention) for s in tqdm(samples, desc="FP prefill",
+    return [prepare_sample(model, s, pad_id, attention, labelling) for s in tqdm(samples, desc="FP prefill",
                                                                         disable=not progress, leave=False)]
 
 
@@ -276,7 +281,7 @@ def prepare_samples(model, samples: Sequence[Sample], pad_id: int = 0, progress:
 def build_plan_cache(model, plan: Plan, prepared: PreparedSample) -> KVPlanCache:
     """A :class:`KVPlanCache` holding ``prepared``'s history, made and labelled by
     :func:`kvplan.make_cache` (the deployment's code) and quantized by the runtime."""
-    cache = make_cache(model, plan, torch.tensor([prepared.sample.history_ids]))
+    cache = make_cache(model, plan, torch.tensor([prepared.sample.history_ids]), labelling=prepared.labelling)
     for i, (k, v) in enumerate(prepared.kv):
         cache.layers[i].update(k, v)
     return cache
@@ -494,7 +499,8 @@ def evaluate(model, plan, prepared: Sequence[PreparedSample], *, expect_quantize
     from tqdm.auto import tqdm
 
     plan = resolve_plan(plan, model)
-    check_modalities(plan, model)
+    for labelling in {id(p.labelling): p.labelling for p in prepared}.values() or (TOKEN_IDS,):
+        check_modalities(plan, model, labelling=labelling)
     per = []
     auto = expect_quantized == "auto"
     with attention_route(model, attention):

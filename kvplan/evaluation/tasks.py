@@ -27,7 +27,8 @@ User task: JSONL lines ``{"history": str, "images": [paths] (optional), "video":
 (optional), "answer": str | int (optional), "id": str (optional)}``; the images, then the clip,
 come before the history text. VLM prompts go through the model's processor (its image and video
 tokens expanded as the processor expands them) and image/video tokens are labelled ``"visual"``
-(the runtime's labelling, :func:`kvplan.models.modality.labels_from_input_ids`). Records are
+(the runtime's default labelling, :data:`kvplan.models.modality.TOKEN_IDS`, or the
+:class:`~kvplan.Labelling` given). Records are
 split by a hash of ``(seed, id)``: half calibration, a quarter validation, a quarter test.
 """
 
@@ -37,13 +38,14 @@ import hashlib
 import json
 import os
 import random
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from ..errors import KVPlanError
-from ..models.modality import labels_from_input_ids
+from ..models.modality import Labelling, resolve_labelling
 from .harness import Sample
 
 TEXT = "text"
@@ -333,7 +335,7 @@ def _media_prompt(rec: dict[str, Any], processor, images: list, frames: list) ->
     return text + rec["history"], media
 
 
-def encode_user_record(rec: dict[str, Any], model, processor) -> Sample:
+def encode_user_record(rec: dict[str, Any], model, processor, labelling: Labelling | None = None) -> Sample:
     """One JSONL record -> :class:`Sample`. Images, then the video clip, come before the history text; every
     history token is labelled as the runtime labels it (image/video tokens ``visual``)."""
     tok = _tokenizer_of(processor)
@@ -347,7 +349,7 @@ def encode_user_record(rec: dict[str, Any], model, processor) -> Sample:
     else:
         ids = _encode(tok, rec["history"])
         extra = {}
-    labels = labels_from_input_ids(torch.tensor([ids]), model.config)[0]
+    labels = resolve_labelling(labelling)(torch.tensor([ids]), model.config)[0]
     q_ids = _encode(tok, "\n" + rec["question"])
     choices = rec.get("choices")
     answer = rec.get("answer")
@@ -380,10 +382,11 @@ def _records_of_split(path, records: Sequence[dict[str, Any]], split: str | None
 
 
 def user_task_samples(path: str | os.PathLike, model, processor, n: int | None = None, split: str | None = None,
-                      seed: int = 0) -> list[Sample]:
-    """Samples of a JSONL task: all records (``split=None``) or those of one split, the first ``n``."""
+                      seed: int = 0, labelling: Labelling | None = None) -> list[Sample]:
+    """Samples of a JSONL task: all records (``split=None``) or those of one split, the first ``n``,
+    labelled by ``labelling`` (default: token ids)."""
     recs = _records_of_split(path, read_jsonl(path), split, seed, n)
-    return [encode_user_record(r, model, processor) for r in recs]
+    return [encode_user_record(r, model, processor, labelling) for r in recs]
 
 
 def check_task(task: str, samples: Mapping[str, int | None] | None = None, seed: int = 0) -> None:
@@ -398,15 +401,21 @@ def check_task(task: str, samples: Mapping[str, int | None] | None = None, seed:
 
 
 def task_samples(task: str, model, processor, split: str = "test", n: int | None = 16, seed: int = 0,
-                 **kwargs) -> list[Sample]:
+                 labelling: Labelling | None = None, **kwargs) -> list[Sample]:
     """Samples of ``task``: ``"default"`` or a path to a JSONL file (``kwargs``: options of the
     built-in task, e.g. ``history_tokens``). ``split="all"``: every record of a JSONL task;
-    ``n=None``: every record of the split (JSONL tasks only)."""
+    ``n=None``: every record of the split (JSONL tasks only). ``labelling``: how the history
+    tokens are labelled, as deployment will label them (default: token ids)."""
     if task == "default":
         if split == ALL_RECORDS or n is None:
             raise TaskError("split 'all' and n=None are for JSONL tasks; the built-in task needs a split and a count")
-        return default_task_samples(_tokenizer_of(processor), split=split, n=n, seed=seed, **kwargs)
-    return user_task_samples(task, model, processor, n=n, split=None if split == ALL_RECORDS else split, seed=seed)
+        samples = default_task_samples(_tokenizer_of(processor), split=split, n=n, seed=seed, **kwargs)
+        if labelling is None:
+            return samples  # labelled text, as token ids label a text model's tokens
+        lab = resolve_labelling(labelling)
+        return [replace(s, history_labels=lab(torch.tensor([s.history_ids]), model.config)[0]) for s in samples]
+    return user_task_samples(task, model, processor, n=n, split=None if split == ALL_RECORDS else split, seed=seed,
+                             labelling=labelling)
 
 
 def pad_token_id(processor) -> int:

@@ -14,13 +14,14 @@ from .._version import __version__
 from ..errors import PlanError
 from ..kernels.qtypes import SUPPORTED_BITS
 from ..models.geometry import LAYER_TYPES, MAX_SLIDING_WINDOW, Geometry
+from ..models.modality import TOKEN_IDS_NAME
 from ._checks import (DEFAULT_MODALITY, KINDS, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS, SCHEMA_VERSION,
                       check_choice, check_int, check_keys, check_list, check_str, is_int, is_num)
 from ._fields import BitRule, Provenance, QuantizerSettings, Reference, check_correction_rank
 from ._keybasis import KeyBasis
 from ._rope import parse_rope_inv_freq
 
-_TOP = ["name", "modalities", "quantizer", "budget", "provenance", "metrics", "key_basis", "rope_inv_freq"]
+_TOP = ["name", "modalities", "labelling", "quantizer", "budget", "provenance", "metrics", "key_basis", "rope_inv_freq"]
 _QUANTIZER = ["group_size", "key_axis", "value_axis", "residual_length", "sink_length", "key_correction_rank",
               "key_correction_bits", "rotation", "key_pre_rope"]
 # quantizer keys that schema version 2 added (slot formats, kvplan.kernels.formats)
@@ -38,6 +39,7 @@ def plan_fields(d) -> dict:
         check_str(name, "name")
     geometry = _geometry(d["model"])
     modalities = check_list(d.get("modalities", [DEFAULT_MODALITY]), "modalities", "names")
+    labelling = check_str(d["labelling"], "labelling") if "labelling" in d else TOKEN_IDS_NAME
     q = d.get("quantizer", {})
     check_keys(q, "quantizer", [], _QUANTIZER + _QUANTIZER_V2)
     for k in _QUANTIZER_V2:
@@ -60,7 +62,8 @@ def plan_fields(d) -> dict:
     return dict(geometry=geometry, modalities=tuple(modalities), quantizer=quantizer, default_bits=default,
                 rules=rules, target_bpv=budget.get("target_bpv"), reference=_reference(budget.get("reference", {})),
                 provenance=_provenance(d.get("provenance", {})), metrics=d.get("metrics", {}), name=name, key_basis=key_basis,
-                rope_inv_freq=parse_rope_inv_freq(d["rope_inv_freq"]) if "rope_inv_freq" in d else None)
+                rope_inv_freq=parse_rope_inv_freq(d["rope_inv_freq"]) if "rope_inv_freq" in d else None,
+                labelling=labelling)
 
 
 def check_stated_bpv(plan, stated) -> None:

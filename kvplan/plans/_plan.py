@@ -21,6 +21,7 @@ from ..errors import PlanError
 from ..kernels.qtypes import FULL_PRECISION_BITS, SUPPORTED_BITS
 from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
+from ..models.modality import TOKEN_IDS_NAME
 from . import accounting
 from ._checks import (DEFAULT_MODALITY, KINDS, MAX_DEPTH, MAX_KV_UNITS, MAX_MODALITIES, SCHEMA_VERSION, check_choice,
                       check_int, check_str, is_num, key_path, split_codes)
@@ -55,6 +56,9 @@ class Plan:
     # the model's RoPE inverse frequencies [d/2], d <= head_dim; required when quantizer.key_pre_rope;
     # one tuple for every layer, or a dict layer type -> tuple (several RoPE bases, see _rope)
     rope_inv_freq: tuple[float, ...] | Mapping[str, tuple[float, ...]] | None = None
+    # name of the token labelling the plan was searched with (kvplan.Labelling); kvplan.load
+    # refuses the plan under another one
+    labelling: str = TOKEN_IDS_NAME
 
     def __post_init__(self):
         object.__setattr__(self, "modalities", tuple(self.modalities))
@@ -165,6 +169,7 @@ class Plan:
                 "fingerprint": g.fingerprint,
             },
             "modalities": list(self.modalities),
+            **({"labelling": self.labelling} if self.labelling != TOKEN_IDS_NAME else {}),
             "quantizer": {
                 "group_size": self.quantizer.group_size,
                 "key_axis": self.quantizer.key_axis,
@@ -309,6 +314,7 @@ def _validate_semantics(p: Plan) -> None:
                         f"most {MAX_KV_UNITS} (layer, KV head) pairs", show_value=False)
     for i, m in enumerate(p.modalities):
         check_str(m, f"modalities[{i}]")
+    check_str(p.labelling, "labelling")
     if not p.modalities or len(set(p.modalities)) != len(p.modalities):
         raise PlanError("modalities", "must be a non-empty list of distinct names", list(p.modalities))
     if len(p.modalities) > MAX_MODALITIES:

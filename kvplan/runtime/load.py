@@ -10,7 +10,7 @@ import warnings
 
 from ..errors import PlanError
 from ..models.geometry import Geometry
-from ..models.modality import labels_from_input_ids, visual_token_ids
+from ..models.modality import Labelling, resolve_labelling, visual_token_ids
 from ..models.rope import rope_inv_freq
 from ..plans import BASELINES, Plan, baseline_plan
 from .cache import KVPlanCache
@@ -62,33 +62,48 @@ def _config(model_or_geometry):
     return getattr(model_or_geometry, "config", None)
 
 
-def runtime_modalities(model) -> tuple[str, ...]:
-    """Modalities the runtime's labelling can give ``model``'s prompt tokens: ``text``, and
-    ``visual`` for a VLM (its image/video token ids)."""
-    return ("text", "visual") if visual_token_ids(_config(model)) else ("text",)
+def runtime_modalities(model, labelling: Labelling | None = None) -> tuple[str, ...]:
+    """Modalities ``labelling`` (default: token ids) can give ``model``'s prompt tokens: ``text``,
+    and ``visual`` for a VLM (its image/video token ids)."""
+    return resolve_labelling(labelling).modalities(_config(model))
 
 
-def check_modalities(plan: Plan, model, source: str | None = None) -> None:
-    """Refuse a plan with modalities the runtime's labelling of ``model``'s prompts never
-    produces: their rules would never apply, so the plan would not deploy as it was searched."""
-    producible = runtime_modalities(model)
+def labelling_in_force(model, labelling: Labelling | None = None) -> Labelling:
+    """``labelling``, else the one ``kvplan.load`` installed on ``model``, else the default."""
+    return resolve_labelling(labelling if labelling is not None else getattr(model, "_kvplan_labelling", None))
+
+
+def check_modalities(plan: Plan, model, source: str | None = None, labelling: Labelling | None = None) -> None:
+    """Refuse a plan searched with another labelling than ``labelling`` (by name), or with
+    modalities it never produces for ``model``'s prompts: their rules would never apply, so the
+    plan would not deploy as it was searched."""
+    labelling = resolve_labelling(labelling)
+    if plan.labelling != labelling.name:
+        raise PlanError("labelling", f"the plan was searched with the token labelling {plan.labelling!r}, but this "
+                        f"model labels prompts with {labelling.name!r}; pass the plan's labelling to kvplan.load "
+                        "(labelling=...) so tokens get the labels the plan was searched on", plan.labelling,
+                        source=source)
+    producible = labelling.modalities(_config(model))
     foreign = [m for m in plan.modalities if m not in producible]
     if foreign:
-        raise PlanError("modalities", f"{foreign} cannot be produced by the token labelling of this model (it labels "
-                        f"prompt tokens {list(producible)}); the plan was made for another labelling and would not "
-                        "store what it was searched for", list(plan.modalities), source=source)
+        raise PlanError("modalities", f"{foreign} cannot be produced by the token labelling {labelling.name!r} of "
+                        f"this model (it labels prompt tokens {list(producible)}); the plan was made for another "
+                        "labelling and would not store what it was searched for", list(plan.modalities),
+                        source=source)
 
 
-def make_cache(model, plan, input_ids=None, attention_mask=None) -> KVPlanCache:
-    """A fresh :class:`KVPlanCache` for ``model``; with ``input_ids`` its prompt is labelled
-    (image/video tokens of a VLM are ``"visual"``, the rest ``"text"``). If ``kvplan.load``
-    (or :func:`attention_route`) put the model on the fused attention, the cache uses it."""
+def make_cache(model, plan, input_ids=None, attention_mask=None, labelling: Labelling | None = None) -> KVPlanCache:
+    """A fresh :class:`KVPlanCache` for ``model``; with ``input_ids`` its prompt is labelled by
+    ``labelling`` (default: the one ``kvplan.load`` installed, else token ids: image/video tokens
+    of a VLM are ``"visual"``, the rest ``"text"``). If ``kvplan.load`` (or
+    :func:`attention_route`) put the model on the fused attention, the cache uses it."""
     kernel = getattr(model, "_kvplan_attention_kernel", None)
     resolved = resolve_plan(plan, model)
     cache = KVPlanCache(resolved, model, attention_kernel=kernel)
     if input_ids is not None:
-        check_modalities(resolved, model)
-        cache.assign_labels(labels_from_input_ids(input_ids, model.config), attention_mask)
+        labelling = labelling_in_force(model, labelling)
+        check_modalities(resolved, model, labelling=labelling)
+        cache.assign_labels(labelling(input_ids, model.config), attention_mask)
     return cache
 
 
@@ -115,7 +130,7 @@ def _attention_kernel(model, attention: str):
     return packed_decode_attention
 
 
-def load(model, plan, attention: str = "auto"):
+def load(model, plan, attention: str = "auto", labelling: Labelling | None = None):
     """Validate ``plan`` (a path, a :class:`Plan` or a baseline name) against ``model`` and
     make ``model.generate(...)`` use a fresh quantized cache following it on every call.
 
@@ -124,11 +139,15 @@ def load(model, plan, attention: str = "auto"):
     chunked PyTorch kernel otherwise (``kernels/attention_chunked.py``: dequantizes a
     cache-sized chunk at a time, never the whole history); ``"triton"``, ``"chunked"`` or
     ``"dequantize"`` (dequantize the history, then the model's own attention) force one.
+    ``labelling``: the :class:`~kvplan.Labelling` the plan was searched with, when it was not
+    the default (token ids); a plan searched with another labelling is refused, naming it.
     Returns the model. A ``cache=`` passed to ``generate`` explicitly is used as is.
     ``kvplan.unload(model)`` restores the original ``generate`` and attention.
     """
     resolved = resolve_plan(plan, model)
-    check_modalities(resolved, model, source=os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else None)
+    labelling = resolve_labelling(labelling)
+    check_modalities(resolved, model, source=os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else None,
+                     labelling=labelling)
     kernel = _attention_kernel(model, attention)
     unload(model)
     _install_attention(model, kernel)
@@ -144,6 +163,7 @@ def load(model, plan, attention: str = "auto"):
     generate._kvplan_original = original
     model.generate = generate
     model.kvplan_plan = resolved
+    model._kvplan_labelling = labelling
     return model
 
 
@@ -153,6 +173,7 @@ def unload(model):
     if gen is not None and hasattr(gen, "_kvplan_original"):
         del model.generate
     model.__dict__.pop("kvplan_plan", None)
+    model.__dict__.pop("_kvplan_labelling", None)
     _remove_attention(model)
     return model
 

@@ -71,6 +71,7 @@ from optuna.trial import TrialState
 from ..errors import KVPlanError
 from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
+from ..models.modality import TOKEN_IDS_NAME
 from ..models.rope import multimodal_rope, rope_inv_freq
 from ..plans import Plan, Provenance, Reference, atomic_write_text
 from ..surrogates import ForestSurrogate, PlanFeatures, log_kl
@@ -161,12 +162,12 @@ def _metrics_of(res: Mapping) -> dict:
     return out
 
 
-def _default_scorers(model, task: str, seed: int, context_len: int | None):
+def _default_scorers(model, task: str, seed: int, context_len: int | None, labelling=None):
     """Calibration, validation and test scorers of ``task`` on ``model`` (a name/path or a
     loaded ``(model, processor)``), see :func:`kvplan.search.scorers.task_scorers`."""
     from .scorers import task_scorers
 
-    return task_scorers(model, task, seed=seed, context_len=context_len)
+    return task_scorers(model, task, seed=seed, context_len=context_len, labelling=labelling)
 
 
 def _pick_on_validation(candidates: list, validation_scorer, evaluate_params) -> tuple[Any, dict, list[dict]]:
@@ -626,7 +627,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            surrogate_offset: bool = True,
            n_candidates: int = 4, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
            worker: int | None = None, progress: bool = True, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_S,
-           grace_period: int | None = DEFAULT_GRACE_S, finalize: bool = False) -> SearchResult:
+           grace_period: int | None = DEFAULT_GRACE_S, finalize: bool = False, labelling=None) -> SearchResult:
     """Search a mixed-precision KV-cache plan under an honest bpv budget.
 
     ``model``: a model name/path or a loaded ``(model, processor)`` pair, scored on ``task``
@@ -665,6 +666,11 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     evaluated). ``surrogate_offset``: the forest learns log-KL minus the log of the profile's
     additive damage estimate instead of log-KL itself (see :class:`ForestSurrogate`).
 
+    ``labelling``: a :class:`~kvplan.Labelling` giving the task's tokens their modality labels
+    (default: token ids, ``text`` / ``visual``); the plans record its name, and
+    ``kvplan.load(model, plan, labelling=...)`` must be given the same one. With your own
+    ``scorer`` the labelling is the scorer's (``scorer.labelling``).
+
     ``worker``: this process's index among the workers of a shared study (seeds its sampler).
     ``heartbeat_interval`` / ``grace_period`` (seconds, RDB storages): a worker records a
     heartbeat for every trial it holds; a trial without one for ``grace_period`` is failed and
@@ -681,12 +687,16 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
             raise KVPlanError("pass test_scorer or its old name heldout_scorer, not both")
         test_scorer = heldout_scorer
     if scorer is None:
-        scorers = _default_scorers(model, task, seed, context_len)
+        scorers = _default_scorers(model, task, seed, context_len, labelling)
         scorer = scorers.calibration
         validation_scorer = validation_scorer or scorers.validation
         test_scorer = test_scorer or scorers.test
     elif task != "default":
         raise KVPlanError("task= builds the scorers; do not pass scorer= with it")
+    elif labelling is not None:
+        raise KVPlanError("labelling= labels the samples of the scorers search builds; a scorer of yours carries "
+                          "its own (scorer.labelling)")
+    labelling_name = getattr(getattr(scorer, "labelling", None), "name", TOKEN_IDS_NAME)
     geometry = getattr(scorer, "geometry", None)
     if geometry is None:
         if isinstance(model, Geometry):
@@ -731,7 +741,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         return SearchSpace(geometry, modalities, granularity, bits, group_sizes, residual_lengths, key_axes,
                            sink_lengths=sink_lengths, key_basis=key_basis, key_correction_bits=key_correction_bits,
                            rotation=rotation, rope_inv_freq=inv_freq if key_pre_rope else None,
-                           key_scaling=key_scaling, value_scaling=value_scaling, codebooks=codebooks)
+                           key_scaling=key_scaling, value_scaling=value_scaling, codebooks=codebooks,
+                           labelling=labelling_name)
 
     BpvModel(make_space(None), reference).check_budget(min(budgets))  # before any study or basis work
     data_hash = getattr(scorer, "data_hash", None)

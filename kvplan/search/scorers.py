@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..models.geometry import Geometry
+from ..models.modality import TOKEN_IDS
 from ..plans import Plan, Reference
 from ..plans.accounting import label_runs
 
@@ -55,6 +56,8 @@ class HarnessScorer:
                  data_hash: str, model_name: str | None = None, attention: str = "auto"):
         self.model = model
         self.prepared = list(prepared)
+        # how the samples' tokens are labelled (kvplan.Labelling), as kvplan.load must label them
+        self.labelling = self.prepared[0].labelling if self.prepared else TOKEN_IDS
         self.geometry = Geometry.of(model)
         self.reference = reference
         self.modalities = tuple(modalities)
@@ -143,7 +146,7 @@ DEFAULT_SAMPLES = {"calibration": 12, "validation": 16, "test": 16}  # of the bu
 def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, n_calibration: int | None = None,
                  n_validation: int | None = None, n_test: int | None = None, history_tokens: int = 512,
                  eval_tokens: int = 32, context_len: int | None = None, attention: str = "auto",
-                 progress: bool = True, before_prefill=None) -> TaskScorers:
+                 progress: bool = True, before_prefill=None, labelling=None) -> TaskScorers:
     """Scorers on ``task`` (``"default"``: the built-in documentation task; or a JSONL file).
 
     ``model``: a name/path for :func:`kvplan.load_model` or a loaded ``(model, processor)``
@@ -152,7 +155,9 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
     validation or test split). ``context_len``: where the
     budget is stated (default: the calibration history length). ``before_prefill(geometry,
     reference, modalities)`` runs once the task's layout is known and before the (slow)
-    full-precision prefills, e.g. to reject an infeasible budget.
+    full-precision prefills, e.g. to reject an infeasible budget. ``labelling``: a
+    :class:`~kvplan.Labelling` for the samples' tokens (default: token ids), the one the
+    exported plans record and ``kvplan.load`` must be given.
     """
     from ..evaluation.harness import prepare_samples
     from ..evaluation.tasks import check_task, pad_token_id, task_samples
@@ -168,7 +173,8 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
     else:
         model, proc = model
     kw = {"history_tokens": history_tokens, "eval_tokens": eval_tokens} if task == "default" else {}
-    cal, val, test = (task_samples(task, model, proc, split=split, n=n, seed=seed, **kw) if n != 0 else []
+    cal, val, test = (task_samples(task, model, proc, split=split, n=n, seed=seed, labelling=labelling, **kw)
+                      if n != 0 else []
                       for split, n in asked.items())
     # the calibration scorer scores only the continuation: cheaper, and what the search minimizes
     cal = [replace(s, question_ids=None, options=None, answer=None) for s in cal]
@@ -181,7 +187,8 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
     def scorer(samples, name):
         if not samples:
             return None
-        return HarnessScorer(model, prepare_samples(model, samples, pad, progress=progress, attention=attention),
+        return HarnessScorer(model, prepare_samples(model, samples, pad, progress=progress, attention=attention,
+                                                    labelling=labelling),
                              reference, mods, name, "sha256:" + h, model_name, attention)
 
     return TaskScorers(scorer(cal, "calibration"), scorer(val, "validation"), scorer(test, "test"))

@@ -32,6 +32,7 @@ from ..kernels.formats import default_codebook
 from ..kernels.qtypes import FULL_PRECISION_BITS, GROUP_SIZES, SUPPORTED_BITS
 from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
+from ..models.modality import TOKEN_IDS_NAME
 from ..plans import CORRECTED, KINDS, KVTUNER_PAIRS, KeyBasis, Plan, Provenance, QuantizerSettings, Reference
 from ..plans._rope import as_floats, normalize_rope_inv_freq
 
@@ -83,7 +84,8 @@ class SearchSpace:
                  sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS, pairs: Sequence[tuple[int, int]] = KVTUNER_PAIRS,
                  key_basis=None, key_correction_bits: int = 4, rotation: str = "none",
                  rope_inv_freq: Sequence[float] | None = None, key_scaling: str = "minmax-fp16",
-                 value_scaling: str = "minmax-fp16", codebooks: Sequence[str] = ()):
+                 value_scaling: str = "minmax-fp16", codebooks: Sequence[str] = (),
+                 labelling: str = TOKEN_IDS_NAME):
         if granularity not in GRANULARITIES:
             raise KVPlanError(f"granularity {granularity!r} is not one of {list(GRANULARITIES)}")
         bits = tuple(sorted(set(int(b) for b in bits)))
@@ -99,6 +101,7 @@ class SearchSpace:
                 raise KVPlanError(f"{name} {list(vals)} must be non-negative integers")
         self.geometry = geometry
         self.modalities = tuple(modalities)
+        self.labelling = labelling  # name of the token labelling every plan of the space is searched with
         self.granularity = granularity
         self.bits = bits
         self.group_sizes = tuple(sorted(set(group_sizes)))
@@ -277,7 +280,8 @@ class SearchSpace:
         RoPE frequencies when the settings use them)."""
         return Plan.from_table(table, self.geometry, self.modalities, quantizer=quantizer, reference=reference,
                                key_basis=self.key_basis if quantizer.key_correction_rank else None,
-                               rope_inv_freq=self.rope_inv_freq if quantizer.key_pre_rope else None, **kwargs)
+                               rope_inv_freq=self.rope_inv_freq if quantizer.key_pre_rope else None,
+                               **{"labelling": self.labelling, **kwargs})
 
     def describe(self) -> dict:
         """JSON-able description (written beside exported plans)."""

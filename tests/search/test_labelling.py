@@ -1,0 +1,90 @@
+"""A user's own token labelling, given to both the search and kvplan.load (issue 13): the plan
+records its name, kvplan.load refuses the plan under another labelling, and with the same one
+every stored token gets its label's bits."""
+
+import pytest
+import torch
+
+import kvplan
+from kvplan.errors import PlanError
+from kvplan.models.modality import Labelling, LabellingError
+
+
+def _digits_of(tok):
+    """Tokens of the SmolLM2 vocabulary whose text holds a digit."""
+    return {i for t, i in tok.get_vocab().items() if any(c.isdigit() for c in t)}
+
+
+def _numbers_labelling(tok):
+    digits = _digits_of(tok)
+
+    def numbers(input_ids, config):
+        return [["number" if t in digits else "text" for t in row] for row in input_ids.tolist()]
+
+    return Labelling(numbers, modalities=("text", "number"), name="tests.numbers")
+
+
+def test_labelling_checks_what_the_function_returns():
+    lab = Labelling(lambda ids, cfg: [["text"] * (ids.shape[1] - 1)], ("text",), name="short")
+    with pytest.raises(LabellingError, match=r"returned 1 rows of lengths \[2\] for input_ids of shape \[1, 3\]"):
+        lab(torch.zeros(1, 3, dtype=torch.long), None)
+    lab = Labelling(lambda ids, cfg: [["text", "code", "text"]], ("text",), name="odd")
+    with pytest.raises(LabellingError, match=r"label 'code' at row 0, token 1 is not one of its modalities"):
+        lab(torch.zeros(1, 3, dtype=torch.long), None)
+    with pytest.raises(LabellingError, match="including 'text'"):
+        Labelling(lambda ids, cfg: [], ("code",))
+    with pytest.raises(LabellingError, match="default labelling"):
+        Labelling(lambda ids, cfg: [], ("text",), name="token-ids")
+
+
+@pytest.mark.slow
+def test_search_and_load_with_the_users_labelling(tmp_path):
+    from kvplan.evaluation import get_model
+    from kvplan.search import search
+
+    model, tok = get_model()
+    lab = _numbers_labelling(tok)
+    out = tmp_path / "plan.yaml"
+    search((model, tok), budget="3.3bpv", n_trials=3, profile=False, progress=False, out=out, labelling=lab,
+           residual_lengths=(0,), group_sizes=(32,))
+    plan = kvplan.Plan.from_yaml(out)
+    assert plan.labelling == "tests.numbers" and set(plan.modalities) == {"text", "number"}
+    assert "labelling: tests.numbers" in out.read_text()
+
+    # deployed without it: refused, naming the plan's labelling
+    with pytest.raises(PlanError, match="searched with the token labelling 'tests.numbers'"):
+        kvplan.load(model, out)
+    # with it: every committed token at its label's bits
+    prompt = "In 1991, 12 of the 345 modules were rewritten; by 2004 only 6 remained. " * 8
+    inputs = tok(prompt, return_tensors="pt")
+    labels = lab(inputs.input_ids, model.config)[0]
+    assert "number" in labels
+    kvplan.load(model, out, labelling=lab)
+    try:
+        gen = model.generate(**inputs, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    finally:
+        kvplan.unload(model)
+    table, sink = plan.table(), plan.quantizer.sink_length
+    checked = 0
+    for layer in range(plan.geometry.num_layers):
+        for k, kind in enumerate(("k", "v")):
+            for h, bits in enumerate(gen.cache.token_bits(layer, kind)):
+                for t, b in enumerate(bits):
+                    want = 16 if t < sink else table[layer, h, k, plan.modalities.index(labels[t])]
+                    assert b == want, (layer, kind, h, t)
+                    checked += 1
+    assert checked > 0
+
+
+def test_plan_file_records_the_labelling_by_name(tmp_path):
+    from kvplan import Geometry, baseline_plan
+
+    g = Geometry(num_layers=2, num_kv_heads=2, head_dim=16, layer_types=("full", "full"), model_type="llama")
+    plan = baseline_plan("int4", g, modalities=("text", "code")).replace(labelling="my.code")
+    text = plan.to_yaml()
+    assert "labelling: my.code" in text and "labelling" not in baseline_plan("int4", g).to_yaml()
+    assert kvplan.Plan.from_yaml(text).labelling == "my.code"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("labelling: my.code", "labelling: 3"))
+    with pytest.raises(PlanError, match=r"labelling: must be a non-empty string"):
+        kvplan.Plan.from_yaml(bad)
