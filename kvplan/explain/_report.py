@@ -281,6 +281,7 @@ def report(plan_path, importance: bool = True, seed: int = 0, context_lengths: S
                     "head_dim": g.head_dim, "layer_types": list(g.layer_types), "sliding_window": g.sliding_window,
                     "fingerprint": g.fingerprint}
     rep["modalities"] = mods
+    rep["labelling"] = plan.labelling  # the token labelling it was searched with (kvplan.Labelling name)
     rep["quantizer"] = dataclasses.asdict(plan.quantizer)
     rep["provenance"] = dataclasses.asdict(plan.provenance)
     rep["budget"] = {"target_bpv": plan.target_bpv,

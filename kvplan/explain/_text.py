@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..models.modality import TOKEN_IDS_NAME
 from ..plans import KINDS
 from ._sidecars import number, show
 
@@ -55,6 +56,9 @@ def _header(rep: dict, L: list[str]) -> None:
                  f"only the tokens it needs), {len(m['layer_types']) - n} full")
     p = rep.get("provenance") or {}
     L.append("provenance: " + ", ".join(f"{k} {v}" for k, v in p.items() if v is not None))
+    if rep.get("labelling", TOKEN_IDS_NAME) != TOKEN_IDS_NAME:
+        L.append(f"token labelling: {rep['labelling']} (searched with this kvplan.Labelling: pass the same one to "
+                 f"kvplan.load; modalities {', '.join(rep['modalities'])})")
     q = rep["quantizer"]
     L.append(f"quantizer: group {q['group_size']}, keys per {q['key_axis']}, values per {q['value_axis']}, "
              f"residual {q['residual_length']} newest and {q.get('sink_length', 0)} first (attention-sink) tokens "

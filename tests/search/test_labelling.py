@@ -84,6 +84,11 @@ def test_plan_file_records_the_labelling_by_name(tmp_path):
     text = plan.to_yaml()
     assert "labelling: my.code" in text and "labelling" not in baseline_plan("int4", g).to_yaml()
     assert kvplan.Plan.from_yaml(text).labelling == "my.code"
+    from kvplan.explain import explain
+
+    (tmp_path / "plan.yaml").write_text(text)
+    report = explain(tmp_path / "plan.yaml", importance=False)
+    assert "token labelling: my.code (searched with this kvplan.Labelling" in report
     bad = tmp_path / "bad.yaml"
     bad.write_text(text.replace("labelling: my.code", "labelling: 3"))
     with pytest.raises(PlanError, match=r"labelling: must be a non-empty string"):
