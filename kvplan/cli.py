@@ -67,7 +67,9 @@ def _cmd_search(args) -> int:
     scorers = task_scorers(args.model, args.task, seed=args.seed, n_calibration=args.samples,
                            n_validation=args.validation_samples, n_test=args.test_samples,
                            history_tokens=args.history_tokens, eval_tokens=args.eval_tokens,
-                           context_len=args.context, progress=not args.quiet, before_prefill=check_budgets)
+                           context_len=args.context, progress=not args.quiet, before_prefill=check_budgets,
+                           processes=args.processes if args.processes is not None else
+                           (1 if args.worker is not None else None))
     extra = {}
     if args.sink_lengths is not None:
         extra["sink_lengths"] = tuple(args.sink_lengths)
@@ -235,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="history length of each sample of the built-in task")
     s.add_argument("--eval-tokens", type=_positive, default=32,
                    help="evaluated tokens after each history (built-in task)")
+    s.add_argument("--processes", type=_positive, default=None, metavar="N",
+                   help="CPU processes scoring each candidate's samples together (default: the usable cores; 1 with "
+                        "--worker or on CUDA); any N gives the same numbers")
     s.add_argument("--storage", help="Optuna storage shared by the workers of a study: a journal file path "
                    "(one machine), sqlite:///file.db, or postgresql://user@host:5432/db (several machines; "
                    "pip install 'kvplan[postgres]')")

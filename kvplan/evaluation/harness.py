@@ -484,7 +484,7 @@ def aggregate(per_sample: Sequence[dict[str, Any]], seed: int = 0, n_boot: int =
 
 def evaluate(model, plan, prepared: Sequence[PreparedSample], *, expect_quantized="auto", seed: int = 0,
              progress: bool = True, desc: str | None = None, keep_samples: bool = True,
-             attention: str = "auto") -> dict[str, Any]:
+             attention: str = "auto", processes=1) -> dict[str, Any]:
     """Evaluate one plan (a :class:`Plan`, YAML path or baseline name) on prepared samples.
 
     ``attention``: the route the evaluated tokens attend through, as ``kvplan.load(model,
@@ -495,19 +495,37 @@ def evaluate(model, plan, prepared: Sequence[PreparedSample], *, expect_quantize
     *every* sample (checked per sample, raises :class:`ProtocolError`). ``"auto"``: every
     pair the plan stores below 16 bits for a non-``text`` modality present in the history
     (``text`` for a single-modality plan) must have quantized tokens in at least one sample.
+
+    ``processes``: score the samples in this many CPU processes at once (an int; see
+    :mod:`kvplan.evaluation.parallel`), or a :class:`~kvplan.evaluation.parallel.SampleProcesses`
+    made for these ``prepared`` samples and kept across calls. Same numbers as ``1``.
     """
+    from .parallel import SampleProcesses
+
     from tqdm.auto import tqdm
 
     plan = resolve_plan(plan, model)
     for labelling in {id(p.labelling): p.labelling for p in prepared}.values() or (TOKEN_IDS,):
         check_modalities(plan, model, labelling=labelling)
-    per = []
     auto = expect_quantized == "auto"
-    with attention_route(model, attention):
-        for p in tqdm(prepared, desc=desc or (plan.name or "plan"), disable=not progress, leave=False):
-            r = evaluate_plan_sample(model, plan, p, None if auto else expect_quantized)
-            r["id"] = p.sample.meta.get("id")
-            per.append(r)
+    expect = None if auto else expect_quantized
+    if isinstance(processes, SampleProcesses):
+        if len(processes.prepared) != len(prepared) or any(a is not b for a, b in zip(processes.prepared, prepared)):
+            raise ValueError("processes: a SampleProcesses made for other prepared samples")
+        per = processes.evaluate_samples(plan, attention, expect)
+    elif processes != 1:
+        pool = SampleProcesses(model, prepared, processes)
+        try:
+            per = pool.evaluate_samples(plan, attention, expect)
+        finally:
+            pool.close()
+    else:
+        per = []
+        with attention_route(model, attention):
+            for p in tqdm(prepared, desc=desc or (plan.name or "plan"), disable=not progress, leave=False):
+                per.append(evaluate_plan_sample(model, plan, p, expect))
+    for r, p in zip(per, prepared):
+        r["id"] = p.sample.meta.get("id")
     if auto:
         present = set()
         for p in prepared:

@@ -162,12 +162,12 @@ def _metrics_of(res: Mapping) -> dict:
     return out
 
 
-def _default_scorers(model, task: str, seed: int, context_len: int | None, labelling=None):
+def _default_scorers(model, task: str, seed: int, context_len: int | None, labelling=None, processes=None):
     """Calibration, validation and test scorers of ``task`` on ``model`` (a name/path or a
     loaded ``(model, processor)``), see :func:`kvplan.search.scorers.task_scorers`."""
     from .scorers import task_scorers
 
-    return task_scorers(model, task, seed=seed, context_len=context_len, labelling=labelling)
+    return task_scorers(model, task, seed=seed, context_len=context_len, labelling=labelling, processes=processes)
 
 
 def _pick_on_validation(candidates: list, validation_scorer, evaluate_params) -> tuple[Any, dict, list[dict]]:
@@ -627,7 +627,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            surrogate_offset: bool = True,
            n_candidates: int = 4, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
            worker: int | None = None, progress: bool = True, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_S,
-           grace_period: int | None = DEFAULT_GRACE_S, finalize: bool = False, labelling=None) -> SearchResult:
+           grace_period: int | None = DEFAULT_GRACE_S, finalize: bool = False, labelling=None,
+           processes: int | None = None) -> SearchResult:
     """Search a mixed-precision KV-cache plan under an honest bpv budget.
 
     ``model``: a model name/path or a loaded ``(model, processor)`` pair, scored on ``task``
@@ -671,6 +672,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     ``kvplan.load(model, plan, labelling=...)`` must be given the same one. With your own
     ``scorer`` the labelling is the scorer's (``scorer.labelling``).
 
+    ``processes``: CPU processes that score each candidate's samples together (the scorers
+    search builds; ``None``: the usable cores, or 1 for one of several ``worker`` processes;
+    any value gives the same numbers, see :mod:`kvplan.evaluation.parallel`).
+
     ``worker``: this process's index among the workers of a shared study (seeds its sampler).
     ``heartbeat_interval`` / ``grace_period`` (seconds, RDB storages): a worker records a
     heartbeat for every trial it holds; a trial without one for ``grace_period`` is failed and
@@ -686,8 +691,12 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         if test_scorer is not None:
             raise KVPlanError("pass test_scorer or its old name heldout_scorer, not both")
         test_scorer = heldout_scorer
+    own_scorers = []  # the scorers built here, whose worker processes are stopped at the end
     if scorer is None:
-        scorers = _default_scorers(model, task, seed, context_len, labelling)
+        if processes is None and worker is not None:
+            processes = 1  # workers of a shared study already run side by side
+        scorers = _default_scorers(model, task, seed, context_len, labelling, processes)
+        own_scorers = [x for x in (scorers.calibration, scorers.validation, scorers.test) if x is not None]
         scorer = scorers.calibration
         validation_scorer = validation_scorer or scorers.validation
         test_scorer = test_scorer or scorers.test
@@ -696,6 +705,9 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     elif labelling is not None:
         raise KVPlanError("labelling= labels the samples of the scorers search builds; a scorer of yours carries "
                           "its own (scorer.labelling)")
+    elif processes is not None:
+        raise KVPlanError("processes= is for the scorers search builds; give your scorer its own (HarnessScorer("
+                          "..., processes=N))")
     labelling_name = getattr(getattr(scorer, "labelling", None), "name", TOKEN_IDS_NAME)
     geometry = getattr(scorer, "geometry", None)
     if geometry is None:
@@ -790,6 +802,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         return _run_study(**locals_for_run(locals()))
     finally:
         hb.close()
+        for x in own_scorers:
+            x.close()
 
 
 def locals_for_run(ns: dict) -> dict:

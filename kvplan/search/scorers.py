@@ -53,9 +53,13 @@ class HarnessScorer:
     kernel on CPU, Triton on CUDA), so the KL it measures is the KL users get."""
 
     def __init__(self, model, prepared: Sequence, reference: Reference, modalities: Sequence[str], name: str,
-                 data_hash: str, model_name: str | None = None, attention: str = "auto"):
+                 data_hash: str, model_name: str | None = None, attention: str = "auto", processes: int = 1):
+        from ..evaluation.parallel import SampleProcesses
+
         self.model = model
         self.prepared = list(prepared)
+        # each plan's samples are scored in `processes` CPU processes at once (same numbers as 1)
+        self.processes = SampleProcesses(model, self.prepared, processes)
         # how the samples' tokens are labelled (kvplan.Labelling), as kvplan.load must label them
         self.labelling = self.prepared[0].labelling if self.prepared else TOKEN_IDS
         self.geometry = Geometry.of(model)
@@ -80,8 +84,12 @@ class HarnessScorer:
         # A candidate may legitimately quantize nothing of a modality (e.g. a residual longer than the
         # history); its KL is what it is, so the sweep's zero-quantized-token guard is off here.
         agg = evaluate(self.model, plan, self.prepared, progress=False, keep_samples=True, expect_quantized=(),
-                       attention=self.attention)
+                       attention=self.attention, processes=self.processes)
         return _summary(agg, plan)
+
+    def close(self) -> None:
+        """Stop the scorer's worker processes (they start again at the next call)."""
+        self.processes.close()
 
 
 def reference_of(samples: Sequence, context_len: int | None = None, full_precision_bits: int = 16
@@ -146,7 +154,8 @@ DEFAULT_SAMPLES = {"calibration": 12, "validation": 16, "test": 16}  # of the bu
 def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, n_calibration: int | None = None,
                  n_validation: int | None = None, n_test: int | None = None, history_tokens: int = 512,
                  eval_tokens: int = 32, context_len: int | None = None, attention: str = "auto",
-                 progress: bool = True, before_prefill=None, labelling=None) -> TaskScorers:
+                 progress: bool = True, before_prefill=None, labelling=None, processes: int | None = None
+                 ) -> TaskScorers:
     """Scorers on ``task`` (``"default"``: the built-in documentation task; or a JSONL file).
 
     ``model``: a name/path for :func:`kvplan.load_model` or a loaded ``(model, processor)``
@@ -157,8 +166,11 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
     reference, modalities)`` runs once the task's layout is known and before the (slow)
     full-precision prefills, e.g. to reject an infeasible budget. ``labelling``: a
     :class:`~kvplan.Labelling` for the samples' tokens (default: token ids), the one the
-    exported plans record and ``kvplan.load`` must be given.
+    exported plans record and ``kvplan.load`` must be given. ``processes``: CPU processes that
+    score each plan's samples together (``None``: the cores this process may use, capped at each
+    split's samples; 1 on CUDA; same numbers with any value, see :mod:`kvplan.evaluation.parallel`).
     """
+    from ..evaluation.parallel import usable_processes
     from ..evaluation.harness import prepare_samples
     from ..evaluation.tasks import check_task, pad_token_id, task_samples
     from ..models import load_model
@@ -187,9 +199,10 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
     def scorer(samples, name):
         if not samples:
             return None
+        n = usable_processes(model, len(samples)) if processes is None else processes
         return HarnessScorer(model, prepare_samples(model, samples, pad, progress=progress, attention=attention,
                                                     labelling=labelling),
-                             reference, mods, name, "sha256:" + h, model_name, attention)
+                             reference, mods, name, "sha256:" + h, model_name, attention, processes=n)
 
     return TaskScorers(scorer(cal, "calibration"), scorer(val, "validation"), scorer(test, "test"))
 

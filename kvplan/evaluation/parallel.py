@@ -1,0 +1,202 @@
+"""Score one plan's samples in several CPU processes at once.
+
+An evaluation is a loop over independent samples (each: write the sample's history into a
+fresh plan cache, run its evaluated tokens, compare with the full-precision reference). On
+CPU most of a sample's time is Python-level work of the codec and the cache (many small
+tensor calls) that extra torch threads do not speed up, so the loop is split over processes
+instead: :class:`SampleProcesses` forks ``processes - 1`` workers once (after the
+full-precision prefill: they inherit the model and the prepared samples copy-on-write), and
+for each plan the parent and every worker score their own share of the samples with **one**
+torch thread each. Per-sample results do not depend on which process or how many threads
+computed them (every metric is a per-sample number; tested against the serial loop), so a
+search gives the same trials and plan with any ``processes``.
+
+Fork only: on CUDA (a forked child cannot use the parent's CUDA context) or where the
+platform has no ``fork`` start method, :func:`usable_processes` says 1 and the loop stays
+serial.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import weakref
+from typing import Any, Sequence
+
+from ..errors import KVPlanError
+
+
+def usable_processes(model=None, n_samples: int | None = None) -> int:
+    """How many processes :class:`SampleProcesses` should use by default: the CPU cores this
+    process may run on (capped at ``n_samples``); 1 when ``model`` is on CUDA or the platform
+    cannot fork."""
+    if "fork" not in mp.get_all_start_methods():
+        return 1
+    if model is not None:
+        try:
+            if next(model.parameters()).device.type != "cpu":
+                return 1
+        except (StopIteration, AttributeError, TypeError):
+            pass
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    if n_samples is not None:
+        n = min(n, n_samples)
+    return max(1, n)
+
+
+def shares(lengths: Sequence[int], processes: int) -> list[list[int]]:
+    """Sample indices per process, balanced by cost (``lengths``: history + evaluated tokens):
+    longest first onto the least loaded process; each share keeps sample order."""
+    load = [0] * processes
+    out: list[list[int]] = [[] for _ in range(processes)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        p = min(range(processes), key=lambda p: (load[p], p))
+        out[p].append(i)
+        load[p] += lengths[i]
+    return [sorted(s) for s in out]
+
+
+def _score_share(model, plan, prepared, indices, attention, expect) -> list[dict[str, Any]]:
+    from ..runtime.load import attention_route
+    from .harness import evaluate_plan_sample
+
+    with attention_route(model, attention):
+        return [evaluate_plan_sample(model, plan, prepared[i], expect) for i in indices]
+
+
+def _worker(conn, model, prepared, indices, siblings) -> None:
+    """Child loop: receive ``(plan, attention, expect)``, send back the share's per-sample results
+    (or the exception). Ends when the parent closes its end of the pipe (or dies)."""
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    torch.set_num_threads(1)  # before any OpenMP region: the parent's thread pool did not survive fork
+    for c in siblings:  # the parent ends of earlier workers' pipes, inherited by fork
+        c.close()
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        plan, attention, expect = msg
+        try:
+            out = ("ok", _score_share(model, plan, prepared, indices, attention, expect))
+        except BaseException as e:  # noqa: BLE001 -- every failure goes back to the parent
+            out = ("error", e)
+        try:
+            conn.send(out)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            conn.send(("error", KVPlanError(f"{type(out[1]).__name__}: {out[1]}")))
+        except (BrokenPipeError, OSError):
+            return
+
+
+def _stop(conns, procs) -> None:
+    for c in conns:
+        c.close()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.terminate()
+            p.join()
+
+
+class SampleProcesses:
+    """``processes`` processes (this one and ``processes - 1`` forked workers) that score a
+    plan's ``prepared`` samples together; see the module docstring. Workers start at the
+    first :meth:`evaluate_samples` and stop at :meth:`close` or when this object is collected."""
+
+    def __init__(self, model, prepared: Sequence, processes: int):
+        if processes < 1:
+            raise KVPlanError(f"processes: must be a positive integer (got {processes})")
+        if processes > 1 and "fork" not in mp.get_all_start_methods():
+            raise KVPlanError(f"processes={processes}: this platform cannot fork worker processes; use processes=1")
+        if processes > 1 and next(model.parameters()).device.type != "cpu":
+            raise KVPlanError(f"processes={processes}: the model is on {next(model.parameters()).device}; forked "
+                              "workers cannot share it (use processes=1)")
+        self.model = model
+        self.prepared = list(prepared)
+        self.processes = min(processes, max(1, len(self.prepared)))
+        lengths = [p.history_len + int(p.rows.numel()) for p in self.prepared]
+        self.shares = shares(lengths, self.processes)
+        self._conns: list = []
+        self._procs: list = []
+        self._finalizer = None
+
+    def _start(self) -> None:
+        ctx = mp.get_context("fork")
+        for indices in self.shares[1:]:
+            parent_end, child_end = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(child_end, self.model, self.prepared, indices, list(self._conns)),
+                            daemon=True, name="kvplan-samples")
+            p.start()
+            child_end.close()
+            self._conns.append(parent_end)
+            self._procs.append(p)
+        self._finalizer = weakref.finalize(self, _stop, self._conns, self._procs)
+
+    def evaluate_samples(self, plan, attention: str, expect=None) -> list[dict[str, Any]]:
+        """``evaluate_plan_sample`` of every prepared sample (in sample order), computed in the
+        processes at once; a worker's exception is raised here."""
+        import torch
+
+        if self.processes == 1:
+            return _score_share(self.model, plan, self.prepared, self.shares[0], attention, expect)
+        if not self._procs:
+            self._start()
+        for c, p in zip(self._conns, self._procs):
+            try:
+                c.send((plan, attention, expect))
+            except (BrokenPipeError, OSError):
+                raise self._died(p, plan) from None
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        results: list[Any] = [None] * len(self.prepared)
+        error = None
+        try:
+            for i, r in zip(self.shares[0], _score_share(self.model, plan, self.prepared, self.shares[0],
+                                                         attention, expect)):
+                results[i] = r
+            for c, p, indices in zip(self._conns, self._procs, self.shares[1:]):
+                try:
+                    status, payload = c.recv()
+                except (EOFError, OSError):
+                    raise self._died(p, plan) from None
+                if status == "error":
+                    error = error or payload
+                    continue
+                for i, r in zip(indices, payload):
+                    results[i] = r
+        except BaseException:
+            # this process failed or was interrupted (Ctrl-C): the workers' answers would be read by
+            # the next plan, so stop them now (the next evaluation starts them again)
+            self.close(wait=False)
+            raise
+        finally:
+            torch.set_num_threads(threads)
+        if error is not None:
+            raise error
+        return results
+
+    def _died(self, proc, plan) -> KVPlanError:
+        """Stop every worker (the next evaluation starts them again) and say which one died."""
+        proc.join(timeout=1)
+        code = proc.exitcode
+        self.close(wait=False)
+        return KVPlanError(f"a sample worker process (pid {proc.pid}) died while scoring plan "
+                           f"{getattr(plan, 'name', None) or '<unnamed>'} (exit code {code})")
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker processes (idempotent; ``wait=False``: terminate them at once); the next
+        evaluation starts them again."""
+        if self._finalizer is not None:
+            if not wait:
+                for p in self._procs:
+                    p.terminate()
+            self._finalizer()
+        self._conns, self._procs, self._finalizer = [], [], None

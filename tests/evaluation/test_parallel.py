@@ -1,0 +1,97 @@
+"""Sample-parallel evaluation (kvplan.evaluation.parallel): same numbers as the serial loop."""
+
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+import torch
+
+from kvplan.errors import KVPlanError
+from kvplan.evaluation import ProtocolError, Sample, evaluate, prepare_samples
+from kvplan.evaluation.parallel import SampleProcesses, shares, usable_processes
+from kvplan.models.geometry import Geometry
+from kvplan.plans.baselines import uniform_plan
+from tests.tiny_models import tiny_llama
+
+pytestmark = pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="needs the fork start method")
+
+
+def test_shares_balance_cost_and_keep_order():
+    assert shares([10, 10, 10, 10], 2) == [[0, 2], [1, 3]]
+    # the longest sample alone, the three short ones together
+    assert shares([5, 30, 10, 10], 2) == [[1], [0, 2, 3]]
+    assert shares([7], 3) == [[0], [], []]
+    assert usable_processes(n_samples=1) == 1
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_llama(num_layers=3, num_kv_heads=2, head_dim=16)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i, n in enumerate([96, 80, 112, 70, 96]):
+        ids = torch.randint(5, model.config.vocab_size, (n + 8,), generator=g).tolist()
+        samples.append(Sample(ids[:n], ["text"] * n, ids[n:], meta={"id": f"s{i}"}))
+    return model, prepare_samples(model, samples, progress=False)
+
+
+def _plan(model, bits=2, residual=0):
+    return uniform_plan(Geometry.of(model), bits, group_size=32, residual_length=residual)
+
+
+def test_processes_give_the_serial_numbers_exactly(tiny):
+    model, prepared = tiny
+    plan, other = _plan(model), _plan(model, bits=4)
+    serial = evaluate(model, plan, prepared, progress=False)
+    pool = SampleProcesses(model, prepared, 2)
+    try:
+        assert evaluate(model, plan, prepared, progress=False, processes=pool) == serial
+        # the worker stays up between plans
+        pid = pool._procs[0].pid
+        assert evaluate(model, other, prepared, progress=False, processes=pool) == \
+            evaluate(model, other, prepared, progress=False)
+        assert [p.pid for p in pool._procs] == [pid]
+    finally:
+        pool.close()
+    # three processes (uneven shares), made and stopped for one call
+    assert evaluate(model, plan, prepared, progress=False, processes=3) == serial
+
+
+def test_a_workers_error_is_raised_in_the_caller(tiny):
+    model, prepared = tiny
+    two = [prepared[2], prepared[1]]  # 112 and 80 history tokens: the shorter one is the worker's
+    pool = SampleProcesses(model, two, 2)
+    assert pool.shares == [[0], [1]]
+    plan = _plan(model, residual=80)  # leaves nothing of the 80-token history quantized
+    try:
+        with pytest.raises(ProtocolError, match=r"sample s1: condition meant to quantize keys"):
+            evaluate(model, plan, two, progress=False, expect_quantized=[("k", "text")], processes=pool)
+        # the pool still works afterwards
+        good = _plan(model)
+        assert evaluate(model, good, two, progress=False, processes=pool) == evaluate(model, good, two, progress=False)
+    finally:
+        pool.close()
+
+
+def test_a_dead_worker_is_a_clear_error(tiny):
+    model, prepared = tiny
+    pool = SampleProcesses(model, prepared, 2)
+    plan = _plan(model)
+    evaluate(model, plan, prepared, progress=False, processes=pool)
+    os.kill(pool._procs[0].pid, signal.SIGKILL)
+    pool._procs[0].join()
+    with pytest.raises(KVPlanError, match=r"sample worker process \(pid \d+\) died .*exit code -9"):
+        evaluate(model, plan, prepared, progress=False, processes=pool)
+    # started again on the next call
+    assert evaluate(model, plan, prepared, progress=False, processes=pool)["kl"]
+    pool.close()
+
+
+def test_a_pool_for_other_samples_is_refused(tiny):
+    model, prepared = tiny
+    pool = SampleProcesses(model, prepared[:2], 2)
+    with pytest.raises(ValueError, match="other prepared samples"):
+        evaluate(model, _plan(model), prepared, progress=False, processes=pool)
+    with pytest.raises(KVPlanError, match="processes: must be a positive integer"):
+        SampleProcesses(model, prepared, 0)
