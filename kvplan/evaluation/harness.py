@@ -504,7 +504,7 @@ def evaluate(model, plan, prepared: Sequence[PreparedSample], *, expect_quantize
 
     from tqdm.auto import tqdm
 
-    plan = resolve_plan(plan, model)
+    plan = resolve_plan(plan, model, prepared[0].labelling if prepared else None)
     for labelling in {id(p.labelling): p.labelling for p in prepared}.values() or (TOKEN_IDS,):
         check_modalities(plan, model, labelling=labelling)
     auto = expect_quantized == "auto"

@@ -69,14 +69,14 @@ def _score_share(model, plan, prepared, indices, attention, expect) -> list[dict
         return [evaluate_plan_sample(model, plan, prepared[i], expect) for i in indices]
 
 
-def _worker(conn, model, prepared, indices, siblings) -> None:
+def _worker(conn, model, prepared, indices, parent_ends) -> None:
     """Child loop: receive ``(plan, attention, expect)``, send back the share's per-sample results
     (or the exception). Ends when the parent closes its end of the pipe (or dies)."""
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     torch.set_num_threads(1)  # before any OpenMP region: the parent's thread pool did not survive fork
-    for c in siblings:  # the parent ends of earlier workers' pipes, inherited by fork
+    for c in parent_ends:  # inherited by fork; only the parent may hold them
         c.close()
     while True:
         try:
@@ -132,8 +132,10 @@ class SampleProcesses:
         ctx = mp.get_context("fork")
         for indices in self.shares[1:]:
             parent_end, child_end = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(child_end, self.model, self.prepared, indices, list(self._conns)),
-                            daemon=True, name="kvplan-samples")
+            # the child closes the parent ends it inherits (its own and earlier workers'), so that it
+            # sees end-of-file when this process closes them or dies
+            p = ctx.Process(target=_worker, args=(child_end, self.model, self.prepared, indices,
+                                                  [*self._conns, parent_end]), daemon=True, name="kvplan-samples")
             p.start()
             child_end.close()
             self._conns.append(parent_end)

@@ -77,11 +77,10 @@ class Labelling:
             raise LabellingError(f"labelling {self.name!r}: returned {len(rows)} rows of lengths "
                                  f"{sorted({len(r) for r in rows})} for input_ids of shape [{B}, {T}]")
         allowed = set(self.modalities(config))
-        for b, r in enumerate(rows):
-            for t, lab in enumerate(r):
-                if lab not in allowed:
-                    raise LabellingError(f"labelling {self.name!r}: label {lab!r} at row {b}, token {t} is not one "
-                                         f"of its modalities {sorted(allowed)}")
+        if set().union(*rows) - allowed:  # name the first wrong label
+            b, t, lab = next((b, t, lab) for b, r in enumerate(rows) for t, lab in enumerate(r) if lab not in allowed)
+            raise LabellingError(f"labelling {self.name!r}: label {lab!r} at row {b}, token {t} is not one "
+                                 f"of its modalities {sorted(allowed)}")
         return rows
 
     def __repr__(self) -> str:

@@ -1,7 +1,7 @@
 """Runtime: the plan-following quantized cache and ``kvplan.load``."""
 
 from .cache import KVPlanCache, resolve_batch_labels
-from .load import attention_route, check_modalities, load, make_cache, resolve_plan, runtime_modalities, unload
+from .load import attention_route, check_modalities, load, make_cache, resolve_plan, unload
 
 __all__ = ["KVPlanCache", "attention_route", "check_modalities", "load", "make_cache", "resolve_batch_labels",
-           "resolve_plan", "runtime_modalities", "unload"]
+           "resolve_plan", "unload"]

@@ -10,15 +10,16 @@ import warnings
 
 from ..errors import PlanError
 from ..models.geometry import Geometry
-from ..models.modality import Labelling, resolve_labelling, visual_token_ids
+from ..models.modality import Labelling, resolve_labelling
 from ..models.rope import rope_inv_freq
 from ..plans import BASELINES, Plan, baseline_plan
 from .cache import KVPlanCache
 
 
-def resolve_plan(plan, model_or_geometry) -> Plan:
+def resolve_plan(plan, model_or_geometry, labelling: Labelling | None = None) -> Plan:
     """A :class:`Plan` from a Plan, a YAML path, or a baseline name (``int4``, ``k4v2-g64``...),
-    checked against the model's geometry."""
+    checked against the model's geometry. A baseline covers the modalities ``labelling``
+    (default: token ids) gives the model's prompts, and records that labelling."""
     geometry = Geometry.of(model_or_geometry)
     source = None
     if isinstance(plan, Plan):
@@ -27,8 +28,9 @@ def resolve_plan(plan, model_or_geometry) -> Plan:
         source = os.fspath(plan)
         resolved = Plan.from_yaml(plan)
     elif isinstance(plan, str) and plan.partition("-g")[0] in BASELINES:
-        modalities = ("text", "visual") if visual_token_ids(_config(model_or_geometry)) else ("text",)
-        resolved = baseline_plan(plan, geometry, modalities=modalities)
+        labelling = resolve_labelling(labelling)
+        resolved = baseline_plan(plan, geometry, modalities=labelling.modalities(_config(model_or_geometry)),
+                                 labelling=labelling.name)
     elif isinstance(plan, str) and plan.endswith((".yaml", ".yml")):
         raise PlanError("<file>", "plan file not found", plan)
     else:
@@ -62,12 +64,6 @@ def _config(model_or_geometry):
     return getattr(model_or_geometry, "config", None)
 
 
-def runtime_modalities(model, labelling: Labelling | None = None) -> tuple[str, ...]:
-    """Modalities ``labelling`` (default: token ids) can give ``model``'s prompt tokens: ``text``,
-    and ``visual`` for a VLM (its image/video token ids)."""
-    return resolve_labelling(labelling).modalities(_config(model))
-
-
 def labelling_in_force(model, labelling: Labelling | None = None) -> Labelling:
     """``labelling``, else the one ``kvplan.load`` installed on ``model``, else the default."""
     return resolve_labelling(labelling if labelling is not None else getattr(model, "_kvplan_labelling", None))
@@ -98,10 +94,10 @@ def make_cache(model, plan, input_ids=None, attention_mask=None, labelling: Labe
     of a VLM are ``"visual"``, the rest ``"text"``). If ``kvplan.load`` (or
     :func:`attention_route`) put the model on the fused attention, the cache uses it."""
     kernel = getattr(model, "_kvplan_attention_kernel", None)
-    resolved = resolve_plan(plan, model)
+    labelling = labelling_in_force(model, labelling)
+    resolved = resolve_plan(plan, model, labelling)
     cache = KVPlanCache(resolved, model, attention_kernel=kernel)
     if input_ids is not None:
-        labelling = labelling_in_force(model, labelling)
         check_modalities(resolved, model, labelling=labelling)
         cache.assign_labels(labelling(input_ids, model.config), attention_mask)
     return cache
@@ -144,8 +140,8 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
     Returns the model. A ``cache=`` passed to ``generate`` explicitly is used as is.
     ``kvplan.unload(model)`` restores the original ``generate`` and attention.
     """
-    resolved = resolve_plan(plan, model)
     labelling = resolve_labelling(labelling)
+    resolved = resolve_plan(plan, model, labelling)
     check_modalities(resolved, model, source=os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else None,
                      labelling=labelling)
     kernel = _attention_kernel(model, attention)

@@ -95,3 +95,43 @@ def test_a_pool_for_other_samples_is_refused(tiny):
         evaluate(model, _plan(model), prepared, progress=False, processes=pool)
     with pytest.raises(KVPlanError, match="processes: must be a positive integer"):
         SampleProcesses(model, prepared, 0)
+
+
+ORPHAN = """
+import os, signal, sys, torch
+from kvplan.evaluation import Sample, evaluate, prepare_samples
+from kvplan.evaluation.parallel import SampleProcesses
+from kvplan.models.geometry import Geometry
+from kvplan.plans.baselines import uniform_plan
+from tests.tiny_models import tiny_llama
+model = tiny_llama()
+ids = list(range(5, 105))
+prepared = prepare_samples(model, [Sample(ids[:96], ["text"] * 96, ids[96:]) for _ in range(2)], progress=False)
+pool = SampleProcesses(model, prepared, 2)
+evaluate(model, uniform_plan(Geometry.of(model), 2, group_size=32, residual_length=0), prepared, progress=False,
+         processes=pool)
+print(pool._procs[0].pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_workers_exit_when_their_parent_is_killed():
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", ORPHAN], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    pid = int(r.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] == "Z":  # exited, not yet reaped by init
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail(f"worker {pid} outlived its killed parent by 30 s")

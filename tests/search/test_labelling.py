@@ -2,6 +2,8 @@
 records its name, kvplan.load refuses the plan under another labelling, and with the same one
 every stored token gets its label's bits."""
 
+import json
+
 import pytest
 import torch
 
@@ -42,11 +44,18 @@ def test_search_and_load_with_the_users_labelling(tmp_path):
     from kvplan.evaluation import get_model
     from kvplan.search import search
 
+    from kvplan.evaluation.tasks import doc_sources
+
     model, tok = get_model()
     lab = _numbers_labelling(tok)
+    # a small task of the user's (9 records: calibration, validation, test), numbers in every history
+    task = tmp_path / "numbers.jsonl"
+    task.write_text("".join(json.dumps({"id": name, "history": "In 1991, 12 of the 345 modules were rewritten. "
+                                        + text[:600], "question": "Which topic is this?", "answer": name}) + "\n"
+                            for name, text in doc_sources()[:9]))
     out = tmp_path / "plan.yaml"
-    search((model, tok), budget="3.3bpv", n_trials=3, profile=False, progress=False, out=out, labelling=lab,
-           residual_lengths=(0,), group_sizes=(32,))
+    search((model, tok), budget="3.3bpv", task=str(task), context_len=2048, n_trials=3, profile=False,
+           progress=False, out=out, labelling=lab, residual_lengths=(0,), group_sizes=(32,))
     plan = kvplan.Plan.from_yaml(out)
     assert plan.labelling == "tests.numbers" and set(plan.modalities) == {"text", "number"}
     assert "labelling: tests.numbers" in out.read_text()
