@@ -4,6 +4,11 @@ import os
 
 import pytest
 
+# One intra-op thread per process, here and in the CLI processes the tests start: CI runs the tests
+# in parallel (pytest -n auto), and on the shared 2-core box 2 spinning OpenMP threads per process
+# were ~10x slower than 1. Searches still use every core: their sample workers are processes.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Without a GPU, Triton kernels run under Triton's CPU interpreter; it must be set before
 # triton is first imported.
 if os.environ.get("TRITON_INTERPRET") is None:
@@ -14,6 +19,17 @@ if os.environ.get("TRITON_INTERPRET") is None:
             os.environ["TRITON_INTERPRET"] = "1"
     except ImportError:
         pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """One torch intra-op thread for the whole session (see ``OMP_NUM_THREADS`` above)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,4 @@
 import pytest
-import torch
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread():
-    """One intra-op thread: on the shared 2-core CI box 2 OpenMP threads per process were ~10x slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="session")
