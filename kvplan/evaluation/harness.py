@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -270,11 +270,27 @@ def _fp_cache(model, prepared: PreparedSample):
 
 
 def prepare_samples(model, samples: Sequence[Sample], pad_id: int = 0, progress: bool = True,
-                    attention: str = "auto", labelling: Labelling | None = None) -> list[PreparedSample]:
+                    attention: str = "auto", labelling: Labelling | None = None, processes: int = 1
+                    ) -> list[PreparedSample]:
+    """:func:`prepare_sample` of every sample; ``processes > 1``: in that many CPU processes at
+    once (:func:`kvplan.evaluation.parallel.map_forked`; the same tensors, bit for bit)."""
     from tqdm.auto import tqdm
 
-    return [prepare_sample(model, s, pad_id, attention, labelling) for s in tqdm(samples, desc="FP prefill",
-                                                                        disable=not progress, leave=False)]
+    from .parallel import map_forked
+
+    labelling = resolve_labelling(labelling)
+    if processes > 1 and _model_device(model).type != "cpu":
+        raise KVPlanError(f"processes={processes}: the model is on {_model_device(model)}; forked workers cannot "
+                          "share it (use processes=1)")
+    if processes == 1:
+        return [prepare_sample(model, s, pad_id, attention, labelling) for s in tqdm(samples, desc="FP prefill",
+                                                                            disable=not progress, leave=False)]
+
+    def prepare(s):  # the labelling (maybe a user's closure) stays here: it is not pickled back
+        return replace(prepare_sample(model, s, pad_id, attention, labelling), labelling=TOKEN_IDS)
+
+    out = map_forked(prepare, list(samples), processes, [len(s.history_ids) + len(s.eval_ids) for s in samples])
+    return [replace(p, labelling=labelling) for p in out]
 
 
 # ----------------------------------------------------------------------------- caches

@@ -96,6 +96,75 @@ def _worker(conn, model, prepared, indices, parent_ends) -> None:
             return
 
 
+def _map_child(conn, fn, items, indices) -> None:
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    try:
+        out = ("ok", [fn(items[i]) for i in indices])
+    except BaseException as e:  # noqa: BLE001 -- every failure goes back to the parent
+        out = ("error", e)
+    try:
+        data = pickle.dumps(out)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        data = pickle.dumps(("error", KVPlanError(f"{type(out[1]).__name__}: {out[1]}")))
+    try:
+        conn.send_bytes(data)
+    except OSError:
+        pass
+    conn.close()
+
+
+def map_forked(fn, items: Sequence, processes: int, costs: Sequence[int] | None = None) -> list:
+    """``[fn(x) for x in items]``, computed by this process and ``processes - 1`` forked children
+    at once, one torch thread each (``costs``: relative cost of each item, for balancing).
+    The children inherit ``fn`` and ``items`` (no pickling on the way in); results come back
+    pickled, so they must be picklable. An exception of ``fn`` is raised here."""
+    import torch
+
+    processes = max(1, min(processes, len(items)))
+    if processes == 1:
+        return [fn(x) for x in items]
+    parts = shares(list(costs) if costs is not None else [1] * len(items), processes)
+    ctx = mp.get_context("fork")
+    conns, procs = [], []
+    for indices in parts[1:]:
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_map_child, args=(child_end, fn, items, indices), daemon=True, name="kvplan-map")
+        p.start()
+        child_end.close()
+        conns.append(parent_end)
+        procs.append(p)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    results: list = [None] * len(items)
+    try:
+        for i in parts[0]:
+            results[i] = fn(items[i])
+        error = None
+        for c, p, indices in zip(conns, procs, parts[1:]):
+            try:
+                status, payload = pickle.loads(c.recv_bytes())
+            except (EOFError, OSError):
+                p.join(timeout=1)
+                raise KVPlanError(f"a worker process (pid {p.pid}) died (exit code {p.exitcode})") from None
+            if status == "error":
+                error = error or payload
+                continue
+            for i, r in zip(indices, payload):
+                results[i] = r
+    finally:
+        torch.set_num_threads(threads)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        _stop(conns, procs)
+    if error is not None:
+        raise error
+    return results
+
+
 def _stop(conns, procs) -> None:
     for c in conns:
         c.close()

@@ -201,7 +201,7 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
             return None
         n = usable_processes(model, len(samples)) if processes is None else processes
         return HarnessScorer(model, prepare_samples(model, samples, pad, progress=progress, attention=attention,
-                                                    labelling=labelling),
+                                                    labelling=labelling, processes=n),
                              reference, mods, name, "sha256:" + h, model_name, attention, processes=n)
 
     return TaskScorers(scorer(cal, "calibration"), scorer(val, "validation"), scorer(test, "test"))

@@ -135,3 +135,21 @@ def test_workers_exit_when_their_parent_is_killed():
         time.sleep(0.2)
     os.kill(pid, signal.SIGKILL)
     pytest.fail(f"worker {pid} outlived its killed parent by 30 s")
+
+
+def test_prefill_in_processes_gives_the_same_tensors(tiny):
+    from kvplan.models.modality import Labelling
+
+    model, prepared = tiny
+    samples = [p.sample for p in prepared]
+    lab = Labelling(lambda ids, cfg: [["text"] * ids.shape[1] for _ in range(ids.shape[0])], ("text",),
+                    name="tests.all-text")  # a closure: stays in this process, is not pickled
+    for s in samples:
+        s.history_labels = ["text"] * len(s.history_ids)
+    serial = prepare_samples(model, samples, progress=False, labelling=lab)
+    forked = prepare_samples(model, samples, progress=False, labelling=lab, processes=2)
+    for a, b in zip(serial, forked):
+        assert b.labelling is lab and b.sample == a.sample
+        assert all(torch.equal(x, y) for (ka, va), (kb, vb) in zip(a.kv, b.kv) for x, y in ((ka, kb), (va, vb)))
+        assert torch.equal(a.rows, b.rows) and torch.equal(a.position_ids, b.position_ids)
+        assert torch.equal(a.fp["scored"]["eval"], b.fp["scored"]["eval"]) and a.fp["nll"] == b.fp["nll"]
