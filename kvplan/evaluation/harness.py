@@ -516,9 +516,9 @@ def evaluate(model, plan, prepared: Sequence[PreparedSample], *, expect_quantize
     :mod:`kvplan.evaluation.parallel`), or a :class:`~kvplan.evaluation.parallel.SampleProcesses`
     made for these ``prepared`` samples and kept across calls. Same numbers as ``1``.
     """
-    from .parallel import SampleProcesses
-
     from tqdm.auto import tqdm
+
+    from .parallel import SampleProcesses
 
     plan = resolve_plan(plan, model, prepared[0].labelling if prepared else None)
     for labelling in {id(p.labelling): p.labelling for p in prepared}.values() or (TOKEN_IDS,):
