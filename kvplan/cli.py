@@ -41,6 +41,7 @@ def _cmd_generate(args) -> int:
 
 def _cmd_search(args) -> int:
     from .search import DEFAULT_BITS, BpvModel, SearchSpace, parse_budget, search
+    from .evaluation.parallel import default_processes
     from .search.scorers import task_scorers
     from .search.storage import make_storage
 
@@ -68,8 +69,7 @@ def _cmd_search(args) -> int:
                            n_validation=args.validation_samples, n_test=args.test_samples,
                            history_tokens=args.history_tokens, eval_tokens=args.eval_tokens,
                            context_len=args.context, progress=not args.quiet, before_prefill=check_budgets,
-                           processes=args.processes if args.processes is not None else
-                           (1 if args.worker is not None else None))
+                           processes=default_processes(args.processes, args.worker))
     extra = {}
     if args.sink_lengths is not None:
         extra["sink_lengths"] = tuple(args.sink_lengths)

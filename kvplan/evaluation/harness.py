@@ -276,12 +276,10 @@ def prepare_samples(model, samples: Sequence[Sample], pad_id: int = 0, progress:
     once (:func:`kvplan.evaluation.parallel.map_forked`; the same tensors, bit for bit)."""
     from tqdm.auto import tqdm
 
-    from .parallel import map_forked
+    from .parallel import check_processes, map_forked
 
     labelling = resolve_labelling(labelling)
-    if processes > 1 and _model_device(model).type != "cpu":
-        raise KVPlanError(f"processes={processes}: the model is on {_model_device(model)}; forked workers cannot "
-                          "share it (use processes=1)")
+    check_processes(model, processes)
     if processes == 1:
         return [prepare_sample(model, s, pad_id, attention, labelling) for s in tqdm(samples, desc="FP prefill",
                                                                             disable=not progress, leave=False)]

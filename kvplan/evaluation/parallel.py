@@ -49,6 +49,23 @@ def usable_processes(model=None, n_samples: int | None = None) -> int:
     return max(1, n)
 
 
+def check_processes(model, processes: int) -> None:
+    """Refuse ``processes`` this model and platform cannot use (one line naming why)."""
+    if processes < 1:
+        raise KVPlanError(f"processes: must be a positive integer (got {processes})")
+    if processes > 1 and "fork" not in mp.get_all_start_methods():
+        raise KVPlanError(f"processes={processes}: this platform cannot fork worker processes; use processes=1")
+    if processes > 1 and next(model.parameters()).device.type != "cpu":
+        raise KVPlanError(f"processes={processes}: the model is on {next(model.parameters()).device}; forked "
+                          "workers cannot share it (use processes=1)")
+
+
+def default_processes(processes: int | None, worker: int | None) -> int | None:
+    """``processes`` as given; else 1 for one of several ``worker`` processes of a shared study
+    (they already run side by side), else ``None`` (:func:`usable_processes` decides)."""
+    return processes if processes is not None else (1 if worker is not None else None)
+
+
 def shares(lengths: Sequence[int], processes: int) -> list[list[int]]:
     """Sample indices per process, balanced by cost (``lengths``: history + evaluated tokens):
     longest first onto the least loaded process; each share keeps sample order."""
@@ -69,13 +86,32 @@ def _score_share(model, plan, prepared, indices, attention, expect) -> list[dict
         return [evaluate_plan_sample(model, plan, prepared[i], expect) for i in indices]
 
 
+def _child_start() -> None:
+    """First thing in a forked child: Ctrl-C is the parent's to handle, and one torch thread,
+    set before any OpenMP region (the parent's thread pool did not survive the fork)."""
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+
+
+def _run(fn, *args) -> tuple[str, Any]:
+    """``("ok", fn(*args))``, or ``("error", exception)`` -- reduced to a picklable
+    :class:`KVPlanError` with the same text when the exception itself cannot be pickled."""
+    try:
+        return "ok", fn(*args)
+    except BaseException as e:  # noqa: BLE001 -- every failure goes back to the parent
+        try:
+            pickle.dumps(e)
+            return "error", e
+        except Exception:  # noqa: BLE001
+            return "error", KVPlanError(f"{type(e).__name__}: {e}")
+
+
 def _worker(conn, model, prepared, indices, parent_ends) -> None:
     """Child loop: receive ``(plan, attention, expect)``, send back the share's per-sample results
     (or the exception). Ends when the parent closes its end of the pipe (or dies)."""
-    import torch
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    torch.set_num_threads(1)  # before any OpenMP region: the parent's thread pool did not survive fork
+    _child_start()
     for c in parent_ends:  # inherited by fork; only the parent may hold them
         c.close()
     while True:
@@ -85,32 +121,16 @@ def _worker(conn, model, prepared, indices, parent_ends) -> None:
             return
         plan, attention, expect = msg
         try:
-            out = ("ok", _score_share(model, plan, prepared, indices, attention, expect))
-        except BaseException as e:  # noqa: BLE001 -- every failure goes back to the parent
-            out = ("error", e)
-        try:
-            conn.send(out)
-        except (pickle.PicklingError, TypeError, AttributeError):
-            conn.send(("error", KVPlanError(f"{type(out[1]).__name__}: {out[1]}")))
+            conn.send(_run(_score_share, model, plan, prepared, indices, attention, expect))
         except (BrokenPipeError, OSError):
             return
 
 
 def _map_child(conn, fn, items, indices) -> None:
-    import torch
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(1)
+    """One-shot child of :func:`map_forked`: its share's results, pickled, then exit."""
+    _child_start()
     try:
-        out = ("ok", [fn(items[i]) for i in indices])
-    except BaseException as e:  # noqa: BLE001 -- every failure goes back to the parent
-        out = ("error", e)
-    try:
-        data = pickle.dumps(out)
-    except (pickle.PicklingError, TypeError, AttributeError):
-        data = pickle.dumps(("error", KVPlanError(f"{type(out[1]).__name__}: {out[1]}")))
-    try:
-        conn.send_bytes(data)
+        conn.send_bytes(pickle.dumps(_run(lambda: [fn(items[i]) for i in indices])))
     except OSError:
         pass
     conn.close()
@@ -181,13 +201,7 @@ class SampleProcesses:
     first :meth:`evaluate_samples` and stop at :meth:`close` or when this object is collected."""
 
     def __init__(self, model, prepared: Sequence, processes: int):
-        if processes < 1:
-            raise KVPlanError(f"processes: must be a positive integer (got {processes})")
-        if processes > 1 and "fork" not in mp.get_all_start_methods():
-            raise KVPlanError(f"processes={processes}: this platform cannot fork worker processes; use processes=1")
-        if processes > 1 and next(model.parameters()).device.type != "cpu":
-            raise KVPlanError(f"processes={processes}: the model is on {next(model.parameters()).device}; forked "
-                              "workers cannot share it (use processes=1)")
+        check_processes(model, processes)
         self.model = model
         self.prepared = list(prepared)
         self.processes = min(processes, max(1, len(self.prepared)))

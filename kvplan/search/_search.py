@@ -69,6 +69,7 @@ import optuna
 from optuna.trial import TrialState
 
 from ..errors import KVPlanError
+from ..evaluation.parallel import default_processes
 from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
 from ..models.modality import TOKEN_IDS_NAME
@@ -693,9 +694,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         test_scorer = heldout_scorer
     own_scorers = []  # the scorers built here, whose worker processes are stopped at the end
     if scorer is None:
-        if processes is None and worker is not None:
-            processes = 1  # workers of a shared study already run side by side
-        scorers = _default_scorers(model, task, seed, context_len, labelling, processes)
+        scorers = _default_scorers(model, task, seed, context_len, labelling, default_processes(processes, worker))
         own_scorers = [x for x in (scorers.calibration, scorers.validation, scorers.test) if x is not None]
         scorer = scorers.calibration
         validation_scorer = validation_scorer or scorers.validation

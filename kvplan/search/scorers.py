@@ -170,8 +170,8 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
     score each plan's samples together (``None``: the cores this process may use, capped at each
     split's samples; 1 on CUDA; same numbers with any value, see :mod:`kvplan.evaluation.parallel`).
     """
-    from ..evaluation.parallel import usable_processes
     from ..evaluation.harness import prepare_samples
+    from ..evaluation.parallel import usable_processes
     from ..evaluation.tasks import check_task, pad_token_id, task_samples
     from ..models import load_model
 
