@@ -52,9 +52,17 @@ def test_two_cli_workers_on_postgres_one_killed(postgres_url, tmp_path):
         held = [t for t in s.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                 if trial_owner(t).get("pid") == victim.pid and t.user_attrs.get("kvplan.eval")]
         if n_done >= 2 and held:  # midway, while it evaluates a trial
-            os.kill(victim.pid, signal.SIGKILL)
-            killed_at, held_numbers = n_done, [t.number for t in held]
-            break
+            # freeze it first and look again: it may have finished that trial since the read above
+            os.kill(victim.pid, signal.SIGSTOP)
+            time.sleep(0.5)  # a statement it sent just before is done by the server by now
+            still = {t.number for t in optuna.load_study(study_name="s", storage=storage).get_trials(
+                deepcopy=False, states=(TrialState.RUNNING,))}
+            held_numbers = [t.number for t in held if t.number in still]
+            if held_numbers:
+                os.kill(victim.pid, signal.SIGKILL)
+                killed_at = n_done
+                break
+            os.kill(victim.pid, signal.SIGCONT)
     assert killed_at is not None, (victim.poll(), survivor.poll(), victim.stderr.read()[-3000:] if victim.poll()
                                    is not None else "")
     victim.wait()
