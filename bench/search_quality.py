@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import CORRECTED, atomic_write_text, headguard_plan, uniform_plan  # noqa: E402
 from kvplan.search import search  # noqa: E402
-from kvplan.search._search import sidecar_paths  # noqa: E402
+from kvplan.search import sidecar_paths  # noqa: E402
 from kvplan.search.scorers import harness_scorers  # noqa: E402
 
 

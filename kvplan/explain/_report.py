@@ -31,7 +31,7 @@ class ExplainError(KVPlanError):
 
 
 def _sidecars(plan_path: str) -> dict[str, str]:
-    from ..search._search import sidecar_paths
+    from ..plans._files import sidecar_paths
 
     return sidecar_paths(plan_path)
 

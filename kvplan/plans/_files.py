@@ -10,6 +10,14 @@ from ..errors import PlanError
 MAX_PLAN_BYTES = 16 * 2 ** 20  # larger files are refused before they are parsed
 
 
+def sidecar_paths(out) -> dict[str, str]:
+    """The files of one search's output set: ``{"plan": out, "trials": <stem>.trials.csv,
+    "search": <stem>.search.json}``."""
+    out = os.fspath(out)
+    stem = out[: -len(".yaml")] if out.endswith(".yaml") else out[: -len(".yml")] if out.endswith(".yml") else out
+    return {"plan": out, "trials": stem + ".trials.csv", "search": stem + ".search.json"}
+
+
 def _too_large(size: int, source: str | None) -> PlanError:
     return PlanError("<file>", f"is {size / 2 ** 20:.1f} MiB; plan files may be at most {MAX_PLAN_BYTES // 2 ** 20} MiB",
                      show_value=False, source=source)

@@ -191,6 +191,7 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
         raise ValueError(f"labels {unknown} are not modalities of the plan {list(plan.modalities)}")
     payload = scales = correction = residual_tokens = 0
     all_runs = _split_at_sink(committed, 0, q.sink_length)
+    run_cost: dict[tuple, tuple[int, int]] = {}  # (kind, bits, start, length) -> bytes: slots share formats
     for layer in range(geometry.num_layers):
         # a sliding-window layer stores only from its kept start on (see sliding_kept_start)
         kept = sliding_kept_start(T, geometry.window(layer), q.group_size)
@@ -198,11 +199,13 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
         residual_tokens += T - max(C, kept)
         for head in range(geometry.num_kv_heads):
             for k, kind in enumerate(("k", "v")):
-                axis = q.axis(kind)
                 for lab, start, length, sink in runs:
                     bits = FULL_PRECISION_BITS if sink else int(table[layer, head, k, plan.modalities.index(lab)])
-                    p, s = q.format(kind, bits).run_bytes(axis, q.group_size, geometry.head_dim, start, length,
-                                                          fp_bytes)
+                    key = (kind, bits, start, length)
+                    if key not in run_cost:
+                        run_cost[key] = q.format(kind, bits).run_bytes(q.axis(kind), q.group_size, geometry.head_dim,
+                                                                       start, length, fp_bytes)
+                    p, s = run_cost[key]
                     payload += p
                     scales += s
                     if not sink and corrected[layer, head, k, plan.modalities.index(lab)]:

@@ -4,12 +4,21 @@
 >>> result = search(budget="2.5bpv", n_trials=120, out="plan.yaml")
 """
 
-from ._search import Scorer, SearchResult, pareto_front, search, sidecar_paths, write_history
-from .budget import BpvModel, BudgetError, group_damage, knapsack_seed, parse_budget, quantization_damage, repair
-from .sensitivity import profile_plans, profile_units, run_profile, slot_sensitivity
-from .key_basis import query_basis
-from .space import DEFAULT_BITS, DEFAULT_KEY_CORRECTION_RANK, GRANULARITIES, Group, SearchSpace
-from .storage import fail_orphaned_trials, make_storage
+import importlib
+
+# imported on first use, so that e.g. ``kvplan.search.space`` (the CLI's parser, ``kvplan validate``)
+# does not pull in the evaluation harness, transformers and scikit-learn
+_LAZY = {
+    **dict.fromkeys(("Scorer", "SearchResult", "pareto_front", "search", "sidecar_paths", "write_history"),
+                    "._search"),
+    **dict.fromkeys(("BpvModel", "BudgetError", "group_damage", "knapsack_seed", "parse_budget",
+                     "quantization_damage", "repair"), ".budget"),
+    **dict.fromkeys(("profile_plans", "profile_units", "run_profile", "slot_sensitivity"), ".sensitivity"),
+    "query_basis": ".key_basis",
+    **dict.fromkeys(("DEFAULT_BITS", "DEFAULT_KEY_CORRECTION_RANK", "GRANULARITIES", "Group", "SearchSpace"),
+                    ".space"),
+    **dict.fromkeys(("fail_orphaned_trials", "make_storage"), ".storage"),
+}
 
 __all__ = [
     "DEFAULT_BITS",
@@ -38,3 +47,15 @@ __all__ = [
     "slot_sensitivity",
     "write_history",
 ]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvplan.search' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

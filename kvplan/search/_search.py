@@ -69,7 +69,6 @@ import optuna
 from optuna.trial import TrialState
 
 from ..errors import KVPlanError
-from ..evaluation.parallel import default_processes
 from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
 from ..models.modality import TOKEN_IDS_NAME
@@ -91,7 +90,7 @@ from .space import (DEFAULT_BITS, DEFAULT_FORMATS, DEFAULT_GROUP_SIZES, DEFAULT_
                     DEFAULT_RESIDUAL_LENGTHS,
                     DEFAULT_SINK_LENGTHS, SearchSpace)
 from ..errors import describe
-from ..plans._files import write_file_set
+from ..plans._files import sidecar_paths, write_file_set  # noqa: F401 -- sidecar_paths is public here
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
                        run_once, tell)
 from .storage import (DEFAULT_GRACE_S, DEFAULT_HEARTBEAT_S, Heartbeat, describe_storage, fail_orphaned_trials,
@@ -606,12 +605,6 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
-def sidecar_paths(out) -> dict[str, str]:
-    out = os.fspath(out)
-    stem = out[: -len(".yaml")] if out.endswith(".yaml") else out[: -len(".yml")] if out.endswith(".yml") else out
-    return {"plan": out, "trials": stem + ".trials.csv", "search": stem + ".search.json"}
-
-
 # ----------------------------------------------------------------------------- public API
 def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_trials: int = 60, seed: int = 0,
            storage=None, study_name: str | None = None, out: str | os.PathLike | None = None, *,
@@ -694,6 +687,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         test_scorer = heldout_scorer
     own_scorers = []  # the scorers built here, whose worker processes are stopped at the end
     if scorer is None:
+        from ..evaluation.parallel import default_processes
+
         scorers = _default_scorers(model, task, seed, context_len, labelling, default_processes(processes, worker))
         own_scorers = [x for x in (scorers.calibration, scorers.validation, scorers.test) if x is not None]
         scorer = scorers.calibration
@@ -873,7 +868,9 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
                     bar.update(done - bar.n)
 
             try:
-                prof = run_profile(scorer, space, reference, progress=tick, n_head_units=profile_head_units)
+                # a harness scorer skips the full-precision layers in front of each profile unit
+                prof = run_profile(getattr(scorer, "score_profile_plan", scorer), space, reference, progress=tick,
+                                   n_head_units=profile_head_units)
             finally:
                 if bar is not None:
                     bar.close()
