@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
@@ -43,6 +44,7 @@ from ..models.modality import TOKEN_IDS, Labelling, resolve_labelling
 from ..plans import KINDS, Plan, plan_bytes
 from ..runtime.cache import KVPlanCache
 from ..runtime.load import attention_route, check_modalities, make_cache, resolve_plan
+from .prefix import PrefixReplay, decoder_layers, first_quantized_layer, settings_key
 
 FULL_PRECISION_BITS = 16
 
@@ -98,6 +100,8 @@ class PreparedSample:
     position_ids: torch.Tensor  # [R, L_max] or [3, R, L_max] (mrope)
     fp: dict[str, Any]  # FP log-probs at the scored positions and FP metrics
     labelling: Labelling = TOKEN_IDS  # how its history is labelled (checked), also in every plan cache
+    # this process's recorded full-precision layer outputs (evaluate(..., reuse_prefix=True))
+    replay: PrefixReplay | None = field(default=None, repr=False, compare=False)
 
     @property
     def history_len(self) -> int:
@@ -397,23 +401,37 @@ def _metrics(prepared: PreparedSample, sc: dict[str, torch.Tensor]) -> dict[str,
 
 
 @torch.no_grad()
-def score_cache(model, prepared: PreparedSample, cache) -> dict[str, float]:
-    """Run the evaluated rows of ``prepared`` against ``cache`` (history already written, batch 1)."""
+def score_cache(model, prepared: PreparedSample, cache, prefix_key: str | None = None) -> dict[str, float]:
+    """Run the evaluated rows of ``prepared`` against ``cache`` (history already written, batch 1).
+
+    ``prefix_key`` (a :func:`kvplan.evaluation.prefix.settings_key` of ``cache.plan``): replay the
+    recorded outputs of the full-precision layers before the plan's first quantized layer instead
+    of running them (same numbers; see :mod:`kvplan.evaluation.prefix`)."""
     if hasattr(cache, "pause_commits"):
         # The evaluated tokens reach attention at full precision either way (a KVPlanLayer returns
         # what it reads *before* committing); not quantizing them afterwards keeps them in the
         # residual, so the continuation can be cropped off before the multiple-choice rows.
         cache.pause_commits()
-    return _metrics(prepared, _score_rows(model, cache, prepared.rows, prepared.position_ids, prepared.sample))
+    skip = nullcontext()
+    layers = decoder_layers(model) if prefix_key is not None and not prepared.sample.options else None
+    if layers is not None:
+        if prepared.replay is None:
+            prepared.replay = PrefixReplay()
+        skip = prepared.replay.around(layers, prefix_key, first_quantized_layer(cache.plan))
+    with skip:
+        scored = _score_rows(model, cache, prepared.rows, prepared.position_ids, prepared.sample)
+    return _metrics(prepared, scored)
 
 
 @torch.no_grad()
 def evaluate_plan_sample(model, plan: Plan, prepared: PreparedSample,
-                         expect_quantized: Iterable[tuple[str, str]] | None = None) -> dict[str, Any]:
+                         expect_quantized: Iterable[tuple[str, str]] | None = None,
+                         prefix_key: str | None = None) -> dict[str, Any]:
+    """One sample's metrics and cache statistics under ``plan`` (``prefix_key``: see :func:`score_cache`)."""
     cache = build_plan_cache(model, plan, prepared)
     stats = cache_stats(cache, prepared, plan)
     check_quantized(stats, expect_quantized, where=f"sample {prepared.sample.meta.get('id', '?')}: ")
-    metrics = score_cache(model, prepared, cache)
+    metrics = score_cache(model, prepared, cache, prefix_key)
     return {"metrics": metrics, "cache": stats}
 
 
@@ -498,7 +516,7 @@ def aggregate(per_sample: Sequence[dict[str, Any]], seed: int = 0, n_boot: int =
 
 def evaluate(model, plan, prepared: Sequence[PreparedSample], *, expect_quantized="auto", seed: int = 0,
              progress: bool = True, desc: str | None = None, keep_samples: bool = True,
-             attention: str = "auto", processes=1) -> dict[str, Any]:
+             attention: str = "auto", processes=1, reuse_prefix: bool = False) -> dict[str, Any]:
     """Evaluate one plan (a :class:`Plan`, YAML path or baseline name) on prepared samples.
 
     ``attention``: the route the evaluated tokens attend through, as ``kvplan.load(model,
@@ -513,6 +531,10 @@ def evaluate(model, plan, prepared: Sequence[PreparedSample], *, expect_quantize
     ``processes``: score the samples in this many CPU processes at once (an int; see
     :mod:`kvplan.evaluation.parallel`), or a :class:`~kvplan.evaluation.parallel.SampleProcesses`
     made for these ``prepared`` samples and kept across calls. Same numbers as ``1``.
+
+    ``reuse_prefix``: run the model only from the plan's first quantized layer on, replaying the
+    full-precision layers before it as recorded by earlier evaluations of plans with the same
+    codec settings (:mod:`kvplan.evaluation.prefix`; same numbers, for the sensitivity profile).
     """
     from tqdm.auto import tqdm
 
@@ -523,21 +545,22 @@ def evaluate(model, plan, prepared: Sequence[PreparedSample], *, expect_quantize
         check_modalities(plan, model, labelling=labelling)
     auto = expect_quantized == "auto"
     expect = None if auto else expect_quantized
+    prefix_key = settings_key(plan, attention) if reuse_prefix else None
     if isinstance(processes, SampleProcesses):
         if len(processes.prepared) != len(prepared) or any(a is not b for a, b in zip(processes.prepared, prepared)):
             raise ValueError("processes: a SampleProcesses made for other prepared samples")
-        per = processes.evaluate_samples(plan, attention, expect)
+        per = processes.evaluate_samples(plan, attention, expect, prefix_key)
     elif processes != 1:
         pool = SampleProcesses(model, prepared, processes)
         try:
-            per = pool.evaluate_samples(plan, attention, expect)
+            per = pool.evaluate_samples(plan, attention, expect, prefix_key)
         finally:
             pool.close()
     else:
         per = []
         with attention_route(model, attention):
             for p in tqdm(prepared, desc=desc or (plan.name or "plan"), disable=not progress, leave=False):
-                per.append(evaluate_plan_sample(model, plan, p, expect))
+                per.append(evaluate_plan_sample(model, plan, p, expect, prefix_key))
     for r, p in zip(per, prepared):
         r["id"] = p.sample.meta.get("id")
     if auto:

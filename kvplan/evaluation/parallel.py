@@ -78,12 +78,12 @@ def shares(lengths: Sequence[int], processes: int) -> list[list[int]]:
     return [sorted(s) for s in out]
 
 
-def _score_share(model, plan, prepared, indices, attention, expect) -> list[dict[str, Any]]:
+def _score_share(model, plan, prepared, indices, attention, expect, prefix_key) -> list[dict[str, Any]]:
     from ..runtime.load import attention_route
     from .harness import evaluate_plan_sample
 
     with attention_route(model, attention):
-        return [evaluate_plan_sample(model, plan, prepared[i], expect) for i in indices]
+        return [evaluate_plan_sample(model, plan, prepared[i], expect, prefix_key) for i in indices]
 
 
 def _child_start() -> None:
@@ -109,7 +109,7 @@ def _run(fn, *args) -> tuple[str, Any]:
 
 
 def _worker(conn, model, prepared, indices, parent_ends) -> None:
-    """Child loop: receive ``(plan, attention, expect)``, send back the share's per-sample results
+    """Child loop: receive ``(plan, attention, expect, prefix_key)``, send back the share's per-sample results
     (or the exception). Ends when the parent closes its end of the pipe (or dies)."""
     _child_start()
     for c in parent_ends:  # inherited by fork; only the parent may hold them
@@ -119,9 +119,9 @@ def _worker(conn, model, prepared, indices, parent_ends) -> None:
             msg = conn.recv()
         except (EOFError, OSError):
             return
-        plan, attention, expect = msg
+        plan, attention, expect, prefix_key = msg
         try:
-            conn.send(_run(_score_share, model, plan, prepared, indices, attention, expect))
+            conn.send(_run(_score_share, model, plan, prepared, indices, attention, expect, prefix_key))
         except (BrokenPipeError, OSError):
             return
 
@@ -225,18 +225,20 @@ class SampleProcesses:
             self._procs.append(p)
         self._finalizer = weakref.finalize(self, _stop, self._conns, self._procs)
 
-    def evaluate_samples(self, plan, attention: str, expect=None) -> list[dict[str, Any]]:
+    def evaluate_samples(self, plan, attention: str, expect=None, prefix_key: str | None = None
+                         ) -> list[dict[str, Any]]:
         """``evaluate_plan_sample`` of every prepared sample (in sample order), computed in the
-        processes at once; a worker's exception is raised here."""
+        processes at once; a worker's exception is raised here. Each process keeps the recorded
+        full-precision layers of its own share (``prefix_key``, see :mod:`kvplan.evaluation.prefix`)."""
         import torch
 
         if self.processes == 1:
-            return _score_share(self.model, plan, self.prepared, self.shares[0], attention, expect)
+            return _score_share(self.model, plan, self.prepared, self.shares[0], attention, expect, prefix_key)
         if not self._procs:
             self._start()
         for c, p in zip(self._conns, self._procs):
             try:
-                c.send((plan, attention, expect))
+                c.send((plan, attention, expect, prefix_key))
             except (BrokenPipeError, OSError):
                 raise self._died(p, plan) from None
         threads = torch.get_num_threads()
@@ -245,7 +247,7 @@ class SampleProcesses:
         error = None
         try:
             for i, r in zip(self.shares[0], _score_share(self.model, plan, self.prepared, self.shares[0],
-                                                         attention, expect)):
+                                                         attention, expect, prefix_key)):
                 results[i] = r
             for c, p, indices in zip(self._conns, self._procs, self.shares[1:]):
                 try:

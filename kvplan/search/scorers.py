@@ -77,15 +77,22 @@ class HarnessScorer:
         return [{"input_ids": list(p.sample.history_ids) + list(p.sample.eval_ids), **p.sample.prefill_inputs}
                 for p in self.prepared]
 
-    def __call__(self, plan: Plan) -> dict[str, Any]:
+    def __call__(self, plan: Plan, reuse_prefix: bool = False) -> dict[str, Any]:
+        """Score ``plan``; ``reuse_prefix``: replay the full-precision layers before its first
+        quantized layer as recorded by earlier calls (same numbers; see :mod:`kvplan.evaluation.prefix`)."""
         from ..evaluation.harness import evaluate
 
         self.calls += 1
         # A candidate may legitimately quantize nothing of a modality (e.g. a residual longer than the
         # history); its KL is what it is, so the sweep's zero-quantized-token guard is off here.
         agg = evaluate(self.model, plan, self.prepared, progress=False, keep_samples=True, expect_quantized=(),
-                       attention=self.attention, processes=self.processes)
+                       attention=self.attention, processes=self.processes, reuse_prefix=reuse_prefix)
         return _summary(agg, plan)
+
+    def score_profile_plan(self, plan: Plan) -> dict[str, Any]:
+        """Score a sensitivity-profile plan (one unit quantized, the rest at 16 bits): each runs the
+        model only from its first quantized layer on."""
+        return self(plan, reuse_prefix=True)
 
     def close(self) -> None:
         """Stop the scorer's worker processes (they start again at the next call)."""

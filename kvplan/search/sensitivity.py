@@ -13,6 +13,10 @@ Damage is very uneven across the heads of one layer (on SmolLM2 one key head oft
 80-95% of its layer's KL), and a per-head prior lets the knapsack seed protect that head
 instead of the whole layer at a third of the cost.
 
+A harness scorer runs each profile plan only from its first quantized layer on (the layers in
+front of it read the exact full-precision history; their outputs are recorded once and replayed,
+:mod:`kvplan.evaluation.prefix`, same numbers): on average half the layers of the model.
+
 Profile plans are *diagnostic measurements*, not search trials: they are far from the
 budget (mostly full precision) and are never told to the study as trials; they are stored
 in the study's user attributes (``kvplan.profile``) so resumed searches and other workers
