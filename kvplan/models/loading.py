@@ -3,6 +3,7 @@ Gemma-3-270M (a second real model, shipped on PyPI in chunk packages)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -115,6 +116,42 @@ def _save_converted(model, proc, target: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """Within: the ``gguf`` package parses each GGUF file once and builds each tensor-name map once.
+
+    transformers makes a new ``gguf.GGUFReader`` per ``load_gguf_checkpoint`` call (weights and
+    tokenizer: ~6 s each for the default model, all its vocabulary entries as numpy views) and a
+    new ``TensorNameMap`` per module of the model; both are read-only, so one of each serves the
+    whole load (tested: the same weights and tokenizer as transformers' own load)."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers, maps = {}, {}
+
+    def read_once(path, mode="r"):
+        key = (os.path.realpath(os.fspath(path)), mode)
+        if mode != "r":
+            return reader(path, mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    def map_once(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = name_map(arch, n_blocks)
+        return maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, map_once
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 VLM_INSTALL = "pip install torch==2.14.1 torchvision==0.29.1 (./scripts/setup.sh installs this pair)"
 
 
@@ -167,15 +204,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
         elif dtype in (None, torch.float32):  # only the file's own conversion (fp32) is saved
             save_to = converted
     try:
-        config = transformers.AutoConfig.from_pretrained(source, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
-        is_vlm = hasattr(config, "vision_config")
-        if is_vlm:
-            model = transformers.AutoModelForImageTextToText.from_pretrained(source, **kwargs)
-            proc = _vlm_processor(source, name)
-        else:
-            model = transformers.AutoModelForCausalLM.from_pretrained(source, **kwargs)
-            proc = transformers.AutoTokenizer.from_pretrained(
-                source, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+        with _gguf_parsed_once() if "gguf_file" in kwargs else contextlib.nullcontext():
+            model, proc = _load(transformers, name, source, kwargs)
     except (OSError, ValueError) as e:
         where = "" if from_cache is None else f" (from its cached conversion {from_cache}: delete that folder to convert again)"
         raise ModelLoadError(f"cannot load model {name!r}{where}: {str(e).splitlines()[0]}") from e
@@ -185,4 +215,18 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
     if device:
         model.to(device)
     torch.set_grad_enabled(False)
+    return model, proc
+
+
+def _load(transformers, name: str, source: str, kwargs: dict):
+    """``(model, tokenizer_or_processor)`` from ``source`` by transformers' Auto classes."""
+    gguf = {k: v for k, v in kwargs.items() if k == "gguf_file"}
+    config = transformers.AutoConfig.from_pretrained(source, **gguf)
+    # the config parsed here, not parsed again from the (GGUF) file
+    if hasattr(config, "vision_config"):
+        model = transformers.AutoModelForImageTextToText.from_pretrained(source, config=config, **kwargs)
+        proc = _vlm_processor(source, name)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(source, config=config, **kwargs)
+        proc = transformers.AutoTokenizer.from_pretrained(source, **gguf)
     return model, proc

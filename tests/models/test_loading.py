@@ -30,6 +30,15 @@ def test_gguf_conversion_is_cached_and_identical(tmp_path, monkeypatch):
     assert tok1.apply_chat_template(msgs, tokenize=False) == tok2.apply_chat_template(msgs, tokenize=False)
     ids = torch.tensor([tok1(text * 4).input_ids])
     assert torch.equal(m1(ids).logits, m2(ids).logits)
+    # the conversion (which parses the file once, see loading._gguf_parsed_once) is transformers' own
+    import transformers
+
+    m0 = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)
+    tok0 = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    s0 = m0.state_dict()
+    assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+    assert tok0(text).input_ids == tok1(text).input_ids and tok0.get_vocab() == tok1.get_vocab()
+    assert m0.config.to_dict() == {**m1.config.to_dict(), "_name_or_path": m0.config._name_or_path}
 
 
 
