@@ -849,7 +849,9 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
             if "kvplan.key_basis" in attrs and attrs["kvplan.key_basis"] is not None:
                 basis = decode_array(attrs["kvplan.key_basis"])
             else:  # float32 [L, H_kv, D, r]; every worker uses these exact bytes
-                basis = query_basis(scorer.model, scorer.calibration_sequences(), key_correction_rank)
+                # in as many processes as the scorer scores its samples in (same basis with any)
+                basis = query_basis(scorer.model, scorer.calibration_sequences(), key_correction_rank,
+                                    processes=getattr(getattr(scorer, "processes", None), "processes", 1))
         study.set_user_attr("kvplan.key_basis", encode_array(np.asarray(basis)) if basis is not None else None)
         space = make_space(basis)
         prof = attrs.get("kvplan.profile")

@@ -31,6 +31,17 @@ def test_query_basis_is_orthonormal_and_reproducible(model):
         query_basis(model, ids, 65)
 
 
+@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
+def test_query_moments_in_processes_are_the_serial_sums(model):
+    from kvplan.search.key_basis import query_second_moments
+
+    ids = [list(range(5, 40)), list(range(50, 90)), list(range(7, 70, 2))]
+    serial = query_second_moments(model, ids)
+    assert serial.shape == (6, 2, 64, 64) and np.abs(serial).sum() > 0
+    np.testing.assert_array_equal(query_second_moments(model, ids, processes=2), serial)
+    np.testing.assert_array_equal(query_second_moments(model, ids, processes=3), serial)
+
+
 def test_space_offers_the_corrected_level_on_keys_only_and_bpv_is_exact(model):
     g = Geometry.of(model)
     basis = np.linalg.qr(np.random.default_rng(0).standard_normal((6, 2, 64, 64)))[0][..., :4]
