@@ -22,10 +22,9 @@ import hashlib
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 
-FULL_PRECISION_BITS = 16
+from ..kernels.qtypes import FULL_PRECISION_BITS
 
 
 def decoder_layers(model) -> list[torch.nn.Module] | None:
