@@ -57,8 +57,8 @@ def gemma3_model_path() -> tuple[str, str]:
 # Converted GGUF models: transformers parses a GGUF file four times per load (config twice,
 # tokenizer, weights) and dequantizes every tensor in Python, ~35 s for the default model and
 # ~2.5 min for Gemma-3-270M on this CPU (kvplan converts with one parse, see _gguf_parsed_once). The
-# first load of a file saves the converted model and
-# tokenizer (safetensors + tokenizer.json, the dequantized weights bit for bit) under
+# first load of a file saves the converted model and tokenizer (safetensors + tokenizer.json, the
+# dequantized weights bit for bit) under
 # cache_dir()/converted/<key>, where the key hashes the file's bytes and the transformers version;
 # later loads read that folder in seconds. KVPLAN_MODEL_CACHE=0 turns it off.
 _CONVERTED_FORMAT = 1  # bump when what is saved changes
