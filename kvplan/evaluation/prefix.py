@@ -28,9 +28,13 @@ from ..kernels.qtypes import FULL_PRECISION_BITS
 
 
 def decoder_layers(model) -> list[torch.nn.Module] | None:
-    """The text decoder's layer modules, in layer order (``None`` if not found): the
-    ``ModuleList`` of ``num_hidden_layers`` modules whose ``self_attn.layer_idx`` is their index."""
+    """The text decoder's layer modules, in layer order, when they may be replayed: the
+    ``ModuleList`` of ``num_hidden_layers`` modules whose ``self_attn.layer_idx`` is their index.
+    ``None`` if not found, or if later layers read earlier layers' caches (Gemma 3n's
+    ``num_kv_shared_layers``): a replayed layer writes nothing into its cache."""
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    if getattr(cfg, "num_kv_shared_layers", 0):
+        return None
     n = getattr(cfg, "num_hidden_layers", None)
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) == n and all(

@@ -126,3 +126,9 @@ def test_decoder_layers_of_each_architecture(build):
     layers = decoder_layers(model)
     assert layers is not None and len(layers) == Geometry.of(model).num_layers
     assert [layer.self_attn.layer_idx for layer in layers] == list(range(len(layers)))
+
+
+def test_no_replay_where_layers_share_caches():
+    model = tiny_llama(num_layers=3)
+    model.config.num_kv_shared_layers = 1  # as Gemma 3n: later layers read an earlier layer's cache
+    assert decoder_layers(model) is None
