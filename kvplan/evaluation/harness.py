@@ -30,6 +30,7 @@ history + question; FP and quantized). Aggregates carry seeded bootstrap 95% CIs
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import Counter
 from contextlib import nullcontext
@@ -144,11 +145,21 @@ def _rows(sample: Sample, pad_id: int) -> tuple[torch.Tensor, list[int]]:
     return ids, lengths
 
 
+def _takes_logits_to_keep(model) -> bool:
+    """Whether ``model.forward`` can skip the vocabulary projection of positions (``logits_to_keep``)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 @torch.no_grad()
-def _forward_rows(model, cache, rows: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def _forward_rows(model, cache, rows: torch.Tensor, position_ids: torch.Tensor, keep: int | None = None
+                  ) -> torch.Tensor:
+    """Log-probs ``[R, L, V]`` of ``rows`` run against ``cache``; ``keep``: only the last ``keep``
+    positions' (``[R, keep, V]``; the model skips the others' vocabulary projection where it can)."""
     dev = _model_device(model)
-    out = model(input_ids=rows.to(dev), cache=cache, position_ids=position_ids.to(dev), use_cache=True)
-    return torch.log_softmax(out.logits.float(), dim=-1)  # [R, L, V]
+    extra = {"logits_to_keep": keep} if keep is not None and _takes_logits_to_keep(model) else {}
+    out = model(input_ids=rows.to(dev), cache=cache, position_ids=position_ids.to(dev), use_cache=True, **extra)
+    logits = out.logits if keep is None or extra else out.logits[:, -keep:]
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
 def _score_rows(model, cache, rows: torch.Tensor, position_ids: torch.Tensor, sample: Sample
@@ -165,22 +176,37 @@ def _score_rows(model, cache, rows: torch.Tensor, position_ids: torch.Tensor, sa
         cache.crop(-L_eval)
         n_opt = len(sample.options)
         cache.batch_repeat_interleave(n_opt)
-        logp = _forward_rows(model, cache, rows[1:], position_ids[..., 1:, :])
-        q = len(sample.question_ids)
-        d["answer_pos"] = logp[0, q - 1].contiguous()  # [V] distribution of the first answer token
+        # only positions q-1 .. L-1 are read (the answer position and each option's tokens), so the
+        # question's positions skip the vocabulary projection (most of this forward on a large vocabulary)
+        q, L = len(sample.question_ids), rows.shape[1]
+        logp = _forward_rows(model, cache, rows[1:], position_ids[..., 1:, :], keep=L - q + 1)  # [n_opt, L-q+1, V]
+        d["answer_pos"] = logp[0, 0].contiguous()  # [V] distribution of the first answer token (position q-1)
         lls = []
         for i, opt in enumerate(sample.options):
-            pos = torch.arange(q - 1, q - 1 + len(opt))
+            pos = torch.arange(len(opt))  # positions q-1 .. q-2+len(opt) predict the option's tokens
             tgt = torch.tensor(opt, dtype=torch.long)
             lls.append(logp[i, pos, tgt].sum())
         d["option_ll"] = torch.stack(lls)
     return d
 
 
+# float64 bytes of one chunk of rows in _kl: its temporaries stay in the CPU caches (a whole
+# [32, 262144] float64 temporary is 64 MiB, and every one of them is a fresh, page-faulted allocation)
+_KL_CHUNK_BYTES = 1 << 20
+
+
 def _kl(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
-    """KL(P || Q) per row from log-probs ``[..., V]`` (float64 accumulate)."""
-    lp64, lq64 = lp.double(), lq.double()
-    return (lp64.exp() * (lp64 - lq64)).sum(-1).clamp_min(0.0)
+    """KL(P || Q) per row from log-probs ``[..., V]``: ``sum exp(lp) (lp - lq)`` in float64, a few
+    rows at a time (each row's arithmetic is the same whatever the chunk)."""
+    V = lp.shape[-1]
+    a2, b2 = lp.reshape(-1, V), lq.reshape(-1, V)
+    out = torch.empty(a2.shape[0], dtype=torch.float64, device=lp.device)
+    step = max(1, _KL_CHUNK_BYTES // (8 * V))
+    for i in range(0, a2.shape[0], step):
+        a, d = a2[i : i + step].double(), b2[i : i + step].double()
+        torch.sub(a, d, out=d)  # lp - lq
+        out[i : i + step] = a.exp_().mul_(d).sum(-1)
+    return out.reshape(lp.shape[:-1]).clamp_min(0.0)
 
 
 def _nll(lp: torch.Tensor, eval_ids: Sequence[int]) -> float:
@@ -249,7 +275,7 @@ def prepare_sample(model, sample: Sample, pad_id: int = 0, attention: str = "aut
     prepared = PreparedSample(sample, kv, rows, lengths, pos.contiguous(), {}, labelling)
     with attention_route(model, attention):
         sc = _score_rows(model, _fp_cache(model, prepared), rows, prepared.position_ids, sample)
-    fp = {"scored": sc, "nll": _nll(sc["eval"], sample.eval_ids)}
+    fp = {"scored": sc, "nll": _nll(sc["eval"], sample.eval_ids), "top1_ids": sc["eval"].argmax(-1)}
     if sample.options:
         fp["choice"] = _choice(sc["option_ll"], sample.options)
         fp["correct"] = None if sample.answer is None else float(fp["choice"] == sample.answer)
@@ -387,7 +413,7 @@ def _metrics(prepared: PreparedSample, sc: dict[str, torch.Tensor]) -> dict[str,
         "kl_max": float(kl.max()),
         "nll": _nll(sc["eval"], s.eval_ids),
         "nll_fp": prepared.fp["nll"],
-        "top1": float((fp["eval"].argmax(-1) == sc["eval"].argmax(-1)).double().mean()),
+        "top1": float((prepared.fp["top1_ids"] == sc["eval"].argmax(-1)).double().mean()),
     }
     out["delta_nll"] = out["nll"] - out["nll_fp"]
     if s.options:

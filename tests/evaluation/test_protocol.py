@@ -124,6 +124,45 @@ def test_only_history_is_quantized(smol, prepared):
     assert m["kl"] == pytest.approx(kl_ref, rel=1e-4, abs=1e-7)
 
 
+def test_kl_in_row_chunks_equals_the_whole_formula():
+    from kvplan.evaluation import harness
+
+    g = torch.Generator().manual_seed(0)
+    for V in (1000, 300_000):  # many rows per chunk; one row per chunk (a 262k-vocabulary row is 2 MiB)
+        lp = torch.log_softmax(torch.randn(2, 5, V, generator=g) * 3, -1)
+        lq = torch.log_softmax(lp + 0.1 * torch.randn(2, 5, V, generator=g), -1)
+        whole = (lp.double().exp() * (lp.double() - lq.double())).sum(-1).clamp_min(0.0)
+        got = harness._kl(lp, lq)
+        assert got.shape == (2, 5) and got.dtype == torch.float64
+        assert torch.allclose(got, whole, rtol=1e-12, atol=0) and (got > 0).all()
+        assert harness._kl(lp, lp).abs().max() == 0
+
+
+@pytest.mark.slow
+def test_multiple_choice_rows_project_only_the_positions_read(smol, prepared):
+    """The option rows skip the vocabulary projection of the question's positions (``logits_to_keep``);
+    the answer-position distribution and the option log-likelihoods are those of every position's logits."""
+    from kvplan.evaluation.harness import _forward_rows, _score_rows
+
+    model, p = smol[0], prepared[0]
+    s = p.sample
+    assert s.options and len(s.question_ids) > 1
+    plan = uniform_plan(Geometry.of(model), 2, modalities=MODS, residual_length=0)
+    got = _score_rows(model, build_plan_cache(model, plan, p), p.rows, p.position_ids, s)
+    cache = build_plan_cache(model, plan, p)
+    n = len(s.eval_ids)
+    _forward_rows(model, cache, p.rows[:1, :n], p.position_ids[..., :1, :n])
+    cache.crop(-n)
+    cache.batch_repeat_interleave(len(s.options))
+    full = _forward_rows(model, cache, p.rows[1:], p.position_ids[..., 1:, :])  # [n_opt, L, V]: every position
+    q = len(s.question_ids)
+    assert torch.allclose(got["answer_pos"], full[0, q - 1], rtol=0, atol=1e-5)
+    want = torch.stack([full[i, torch.arange(q - 1, q - 1 + len(o)), torch.tensor(o)].sum()
+                        for i, o in enumerate(s.options)])
+    assert torch.allclose(got["option_ll"], want, rtol=0, atol=1e-4)
+    assert not torch.allclose(full[0, q - 2], full[0, q - 1], atol=1e-2)  # a shifted read would be seen
+
+
 @pytest.mark.slow
 def test_zero_quantized_condition_raises(smol, prepared):
     g = Geometry.of(smol[0])
