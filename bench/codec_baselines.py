@@ -1,6 +1,8 @@
 """The searched plan against codec-only baselines at its budget: test-split KL.
 
     python bench/codec_baselines.py bench/results/search-2.5bpv.yaml   # -> bench/results/codec_baselines.md
+    python bench/codec_baselines.py bench/results/gemma3/plan.yaml --model gemma3-270m \
+        --out bench/results/gemma3/codec_baselines.md                  # the second real model (issue 19)
 
 Does the search earn its place beyond the codec? Every baseline gets kvplan's best codec, the
 searched plan's own quantizer (slot formats, Hadamard + pre-RoPE rotations, group, residual,
@@ -50,6 +52,8 @@ def key_ranking(profile: dict, n_layers: int, n_heads: int) -> list[tuple[int, i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("plan")
+    ap.add_argument("--model", default="smollm2-135m", help="the model the plan was searched on (a kvplan.load_model "
+                    "name, .gguf file or directory; default: the embedded default model)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "codec_baselines.md"))
     args = ap.parse_args()
@@ -60,7 +64,7 @@ def main() -> None:
     profile = json.load(open(sidecar))["profile"]
     budget = searched.target_bpv or searched.bpv().total
     g, q = searched.geometry, searched.quantizer
-    test = task_scorers(n_calibration=1, n_validation=0, n_test=16, progress=False).test
+    test = task_scorers(args.model, n_calibration=1, n_validation=0, n_test=16, progress=False).test
     corr = CORRECTED if q.key_correction_rank else 0
 
     def plan_of(key_codes: np.ndarray, name: str) -> Plan:
@@ -87,8 +91,8 @@ def main() -> None:
                      plan_of(keys, f"headguard-k{high}")))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"# Searched plan vs codec-only baselines at {budget:g} bpv (test split)", "",
-             f"Command: `python bench/codec_baselines.py {args.plan}` at commit {commit} (method in the script's "
-             "docstring).", "",
+             f"Command: `python bench/codec_baselines.py {' '.join(sys.argv[1:])}` at commit {commit} (method in "
+             "the script's docstring).", "",
              "| plan | honest bpv | test KL [95% CI] |", "|---|---|---|"]
     results = []
     for label, plan in rows:
