@@ -240,8 +240,8 @@ def _attention_all_layers(name, cache, q):
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         return lambda: [F.scaled_dot_product_attention(q, k, v, enable_gqa=True) for k, v in layers]
     kernel = cache.attention_kernel
-    calls = [([s.blocks for s in lay.segments["k"]], [s.blocks for s in lay.segments["v"]], lay.residual["k"],
-              lay.residual["v"]) for lay in cache.layers]
+    calls = [([s.blocks for s in lay.segments["k"]], [s.blocks for s in lay.segments["v"]], lay.residual["k"].read(),
+              lay.residual["v"].read()) for lay in cache.layers]
     return lambda: [kernel(q, kb, vb, kr, vr) for kb, vb, kr, vr in calls]
 
 
@@ -253,9 +253,9 @@ def _reference_diff(cache, q) -> float:
 
     lay = cache.layers[0]
     kb, vb = [s.blocks for s in lay.segments["k"]], [s.blocks for s in lay.segments["v"]]
-    out = cache.attention_kernel(q, kb, vb, lay.residual["k"], lay.residual["v"])
+    out = cache.attention_kernel(q, kb, vb, lay.residual["k"].read(), lay.residual["v"].read())
     ref = reference_decode_attention(q.cpu(), on_device(kb, "cpu"), on_device(vb, "cpu"),
-                                     lay.residual["k"].cpu(), lay.residual["v"].cpu())
+                                     lay.residual["k"].read().cpu(), lay.residual["v"].read().cpu())
     return (out.float().cpu() - ref.float()).abs().max().item()
 
 

@@ -61,7 +61,8 @@ def _cmd_search(args) -> int:
 
     def check_budgets(geometry, reference, modalities):
         """Reject an unreachable budget before any full-precision prefill."""
-        bmodel = BpvModel(SearchSpace(geometry, modalities, args.granularity, DEFAULT_BITS), reference)
+        bmodel = BpvModel(SearchSpace(geometry, modalities, args.granularity, DEFAULT_BITS,
+                                      residual_bits=args.residual_bits), reference)
         for b in parsed:
             bmodel.check_budget(b)
 
@@ -88,6 +89,7 @@ def _cmd_search(args) -> int:
             extra[name] = getattr(args, name)
     if args.codebooks is not None:
         extra["codebooks"] = () if args.codebooks == "none" else tuple(args.codebooks.split(","))
+    extra["residual_bits"] = args.residual_bits
     result = search(model=args.model, budget=budgets, granularity=args.granularity, n_trials=args.trials,
                     seed=args.seed, storage=storage, study_name=args.study_name, out=args.out,
                     scorer=scorers.calibration, validation_scorer=scorers.validation, test_scorer=scorers.test,
@@ -284,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--codebooks", choices=["none", "k", "v", "k,v"], default=None,
                    help="kinds coded with Lloyd-Max levels instead of uniform ones (default: "
                         f"{','.join(DEFAULT_FORMATS['codebooks']) or 'none'})")
+    s.add_argument("--residual-bits", type=int, choices=[4, 8, 16], default=16,
+                   help="how plans hold the newest tokens not committed yet (the residual window and the group "
+                        "still filling) after their first forward: 16 = as written (default), 8 / 4 = per-token "
+                        "codes until the group commits (flattens the bpv between group boundaries)")
     s.add_argument("--out", default="plan.yaml", help="plan file to write (atomically); history saved beside it")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=_cmd_search)

@@ -115,7 +115,8 @@ def curve_lengths(plan: Plan, extra: Sequence[int] = (), max_len: int = CURVE_MA
 
 
 def _plain_quantizer(q) -> str:
-    return f"g{q.group_size}, r{q.residual_length}, s{q.sink_length}"
+    rb = "" if q.residual_bits == 16 else f", residual {q.residual_bits}-bit"
+    return f"g{q.group_size}, r{q.residual_length}, s{q.sink_length}{rb}"
 
 
 def bpv_curve(plan: Plan, extra: Sequence[int] = ()) -> dict[str, Any]:
@@ -129,9 +130,10 @@ def bpv_curve(plan: Plan, extra: Sequence[int] = ()) -> dict[str, Any]:
         u = uniform_plan(plan.geometry, b, b, group_size=q.group_size, residual_length=q.residual_length,
                          key_axis=q.key_axis, value_axis=q.value_axis, sink_length=q.sink_length,
                          modalities=plan.modalities, reference=plan.reference)
-        # the plan's slot formats (their scales cost what they cost in the plan)
+        # the plan's slot formats (their scales cost what they cost in the plan) and residual
         u = u.replace(quantizer=dataclasses.replace(u.quantizer, key_scaling=q.key_scaling,
-                                                    value_scaling=q.value_scaling, codebooks=q.codebooks))
+                                                    value_scaling=q.value_scaling, codebooks=q.codebooks,
+                                                    residual_bits=q.residual_bits))
         series.append({"label": f"uniform int{b} ({_plain_quantizer(q)})",
                        "bpv": [u.bpv(context_len=T).total for T in Ts]})
     ref = plan.reference.context_len

@@ -60,9 +60,11 @@ def _header(rep: dict, L: list[str]) -> None:
         L.append(f"token labelling: {rep['labelling']} (searched with this kvplan.Labelling: pass the same one to "
                  f"kvplan.load; modalities {', '.join(rep['modalities'])})")
     q = rep["quantizer"]
-    L.append(f"quantizer: group {q['group_size']}, keys per {q['key_axis']}, values per {q['value_axis']}, "
-             f"residual {q['residual_length']} newest and {q.get('sink_length', 0)} first (attention-sink) tokens "
-             "at full precision")
+    rb = q.get("residual_bits", 16)
+    held = "as written (full precision)" if rb == 16 else f"as {rb}-bit per-token codes after their first forward"
+    L.append(f"quantizer: group {q['group_size']}, keys per {q['key_axis']}, values per {q['value_axis']}; the "
+             f"{q['residual_length']} newest tokens and a group still filling wait uncommitted, held {held}; the "
+             f"first {q.get('sink_length', 0)} (attention-sink) tokens stay at full precision")
     if q.get("key_correction_rank"):
         L.append(f"key correction: key slots marked 'correct' also store a rank-{q['key_correction_rank']} "
                  f"{q['key_correction_bits']}-bit code of their error in per-head query bases learned on the "
@@ -90,7 +92,7 @@ def _memory(rep: dict, L: list[str]) -> None:
              f"{b['reference']['context_len']} ({mix})")
     bp = b["bpv"]
     L.append(f"honest bpv: {bp['total']:.4f} = payload {bp['payload']:.4f} + scales/zeros "
-             f"{bp['scales_zeros']:.4f} + full-precision residual {bp['residual']:.4f}"
+             f"{bp['scales_zeros']:.4f} + residual {bp['residual']:.4f}"
              + (f" + key correction {bp['correction']:.4f}" if bp.get("correction") else ""))
     fp = b["reference"]["full_precision_bits"]
     L.append(f"memory (KV cache of this model, reference mix; fp{fp} = the unquantized cache):")

@@ -15,6 +15,7 @@ from ._checks import (CORRECTED, DEFAULT_MODALITY, KINDS, MAX_HEAD_DIM, MAX_TOKE
 AXES = ("channel", "token")
 CORRECTION_BITS = (2, 3, 4, 8)
 ROTATIONS = ("none", "hadamard")  # quantizer.rotation (see kvplan.kernels.rotation)
+RESIDUAL_BITS = (4, 8, FULL_PRECISION_BITS)  # quantizer.residual_bits
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,10 @@ class QuantizerSettings:
     key_scaling: str = DEFAULT_SCALING
     value_scaling: str = DEFAULT_SCALING
     codebooks: tuple = ()  # ((kind, bits, levels), ...); YAML: {k: {2: [λ0, ...]}, v: {...}}
+    # schema version 3: how the residual (the newest tokens not committed yet: the residual_length
+    # window and the group still filling) is held once a token's first forward is over: 16 = as
+    # written (the model's dtype), 8 / 4 = per-token v1 codes (groups of channels along head_dim)
+    residual_bits: int = FULL_PRECISION_BITS
 
     def __post_init__(self):
         check_choice(self.group_size, "quantizer.group_size", GROUP_SIZES)
@@ -54,6 +59,7 @@ class QuantizerSettings:
             raise PlanError("quantizer.key_pre_rope", "must be true or false", self.key_pre_rope)
         check_choice(self.key_scaling, "quantizer.key_scaling", tuple(SCALINGS))
         check_choice(self.value_scaling, "quantizer.value_scaling", tuple(SCALINGS))
+        check_choice(self.residual_bits, "quantizer.residual_bits", RESIDUAL_BITS)
         object.__setattr__(self, "codebooks", _codebooks(self.codebooks, self))
         if self.key_correction_rank and self.key_axis != "channel":
             raise PlanError("quantizer.key_correction_rank", "needs key_axis 'channel' (the correction code shares "
@@ -70,6 +76,16 @@ class QuantizerSettings:
         if bits == FULL_PRECISION_BITS:
             return Format(bits)
         return Format(bits, self.scaling(kind), self.codebook(kind, bits))
+
+    @property
+    def residual_format(self) -> Format:
+        """How a residual token is held after its first forward (``residual_bits``; 16: as written)."""
+        return Format(self.residual_bits)
+
+    def residual_token_bytes(self, head_dim: int, fp_bytes: int) -> int:
+        """Bytes one residual token takes per KV head and kind (``fp_bytes``: the full-precision storage)."""
+        payload, scales = self.residual_format.run_bytes("token", self.group_size, head_dim, 0, 1, fp_bytes)
+        return payload + scales
 
     def codebook(self, kind: str, bits: int) -> tuple[float, ...] | None:
         for k, b, levels in self.codebooks:

@@ -26,6 +26,8 @@ _QUANTIZER = ["group_size", "key_axis", "value_axis", "residual_length", "sink_l
               "key_correction_bits", "rotation", "key_pre_rope"]
 # quantizer keys that schema version 2 added (slot formats, kvplan.kernels.formats)
 _QUANTIZER_V2 = ["key_scaling", "value_scaling", "codebooks"]
+# ... and that schema version 3 added (the interim residual format)
+_QUANTIZER_V3 = ["residual_bits"]
 _BPV = ["total", "payload", "scales_zeros", "residual", "correction"]
 
 
@@ -41,10 +43,12 @@ def plan_fields(d) -> dict:
     modalities = check_list(d.get("modalities", [DEFAULT_MODALITY]), "modalities", "names")
     labelling = check_str(d["labelling"], "labelling") if "labelling" in d else TOKEN_IDS_NAME
     q = d.get("quantizer", {})
-    check_keys(q, "quantizer", [], _QUANTIZER + _QUANTIZER_V2)
-    for k in _QUANTIZER_V2:
-        if k in q and version < 2:
-            raise PlanError(f"quantizer.{k}", f"needs schema_version 2 (the file says {version})", show_value=False)
+    check_keys(q, "quantizer", [], _QUANTIZER + _QUANTIZER_V2 + _QUANTIZER_V3)
+    for needs, keys in ((2, _QUANTIZER_V2), (3, _QUANTIZER_V3)):
+        for k in keys:
+            if k in q and version < needs:
+                raise PlanError(f"quantizer.{k}", f"needs schema_version {needs} (the file says {version})",
+                                show_value=False)
     quantizer = QuantizerSettings(**q)
     b = d["bits"]
     check_keys(b, "bits", ["default"], ["rules"])
@@ -82,9 +86,10 @@ def check_stated_bpv(plan, stated) -> None:
 
 
 def _schema_version(ver) -> int:
-    """The file's schema version: 1 (read as version 2 with every slot in the v1 format: fp16 min-max
-    scales and zero-points, uniform codes) or 2 (adds ``quantizer.key_scaling`` / ``value_scaling`` /
-    ``codebooks``). Writers always write the newest version."""
+    """The file's schema version: 1 (read with every slot in the v1 format: fp16 min-max scales and
+    zero-points, uniform codes), 2 (adds ``quantizer.key_scaling`` / ``value_scaling`` / ``codebooks``)
+    or 3 (adds ``quantizer.residual_bits``; older files hold their residual at full precision). Writers
+    always write the newest version."""
     if not is_int(ver):
         raise PlanError("schema_version", "must be an integer", ver)
     if ver > SCHEMA_VERSION:

@@ -184,6 +184,8 @@ class Plan:
                 **({"key_scaling": self.quantizer.key_scaling, "value_scaling": self.quantizer.value_scaling}
                    if not self.quantizer.v1_formats else {}),
                 **({"codebooks": self.quantizer.codebooks_dict()} if self.quantizer.codebooks else {}),
+                **({"residual_bits": self.quantizer.residual_bits}
+                   if self.quantizer.residual_bits != FULL_PRECISION_BITS else {}),
             },
             "bits": {"default": default, "rules": rules},
             "budget": {

@@ -2,13 +2,17 @@
 
 Counts everything the runtime cache stores: packed codes, scales and zero-points (each slot
 format's own bytes, :mod:`kvplan.kernels.formats`),
-full-precision (16-bit slot) tokens, and the full-precision residual of newest tokens.
+full-precision (16-bit slot) tokens, and the residual of newest tokens (as written, or coded:
+``quantizer.residual_bits``).
 
 The commit rule (shared with the runtime, so both see the same token layout):
 after ``T`` tokens, the oldest ``C(T) = max(0, G * floor((T - R) / G))`` tokens are
 committed (quantized), where ``G`` is the plan's group size and ``R`` its residual
 length; the rest stay in the residual. ``C`` is independent of how the tokens arrived
 (one prefill or token by token). Committed tokens are stored in runs of one modality.
+
+The residual (``T - C`` newest tokens) is held as written (``fp_bytes`` per value) or, with
+``quantizer.residual_bits`` 8 or 4, as per-token v1 codes: ``QuantizerSettings.residual_token_bytes``.
 
 Attention sinks: the first ``S = quantizer.sink_length`` positions of the sequence are
 stored at full precision in every slot when they are committed (:func:`stored_runs`
@@ -151,7 +155,7 @@ class BpvBreakdown:
     total: float
     payload: float  # packed codes and 16-bit slots
     scales_zeros: float
-    residual: float  # full-precision newest tokens
+    residual: float  # newest tokens not committed yet (full precision, or quantizer.residual_bits)
     correction: float = 0.0  # key correction codes with their scales and zero-points
 
     def as_dict(self) -> dict[str, float]:
@@ -210,7 +214,7 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
                     scales += s
                     if not sink and corrected[layer, head, k, plan.modalities.index(lab)]:
                         correction += correction_bytes(q, start, length)
-    residual = residual_tokens * geometry.head_dim * fp_bytes * geometry.num_kv_heads * 2
+    residual = residual_tokens * q.residual_token_bytes(geometry.head_dim, fp_bytes) * geometry.num_kv_heads * 2
     return {"payload": payload * batch_size, "scales_zeros": scales * batch_size,
             "correction": correction * batch_size, "residual": residual * batch_size}
 

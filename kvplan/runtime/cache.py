@@ -1,7 +1,8 @@
 """The quantized KV cache: a transformers ``Cache`` whose storage follows a plan.
 
 Per layer and per kind (K, V) the cache holds committed :class:`Segment` s (packed,
-never re-quantized) and a full-precision residual of the newest tokens. After each
+never re-quantized) and a :class:`Residual` of the newest tokens (full precision, or per-token
+codes with ``quantizer.residual_bits``). After each
 ``update`` the oldest tokens beyond the residual are committed block-wise following
 ``plans.accounting.committed_length``; each committed token is stored at the bits of
 its modality, fixed at the time it entered the cache.
@@ -30,7 +31,7 @@ from ..kernels.rotation import Rotation, hadamard_matrix
 from ..plans import KINDS, Plan, committed_length, split_codes, stored_runs
 from ..plans.accounting import sliding_kept_start
 from .fused import MAX_FUSED_QUERY, mark_pending
-from .storage import PackedBlock, Segment
+from .storage import PackedBlock, Residual, Segment
 
 TEXT = "text"
 
@@ -76,7 +77,7 @@ class KVPlanLayer(CacheLayerMixin):
                     groups.setdefault(int(table[h, k, m]), []).append(h)
                 self.head_groups[kind][mod] = sorted((b, tuple(hs)) for b, hs in groups.items())
         self.segments: dict[str, list[Segment]] = {"k": [], "v": []}
-        self.residual: dict[str, torch.Tensor | None] = {"k": None, "v": None}  # [B, H_kv, T_res, D]
+        self.residual: dict[str, Residual | None] = {"k": None, "v": None}  # [B, H_kv, T_res, D] each
         self.residual_labels: list[str] = []
         self.committed = 0
         self.key_basis: torch.Tensor | None = None  # [H_kv, D, r] fp32 when the plan corrects keys
@@ -94,7 +95,9 @@ class KVPlanLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: cache receives [B, {n_kv}, T, {head_dim}] keys but the plan was made for "
                 f"{g.num_kv_heads} KV heads of head_dim {g.head_dim}"
             )
-        self.residual = {"k": key_states[:, :, :0], "v": value_states[:, :, :0]}
+        q = self.owner.plan.quantizer
+        self.residual = {kind: Residual(q.residual_bits, q.group_size, x[:, :, :0].to(self.dtype))
+                         for kind, x in (("k", key_states), ("v", value_states))}
         basis = self.owner.plan.key_basis
         # key correction basis of this layer: fp32 [H_kv, D, r] on the cache's device
         self.key_basis = (None if basis is None else
@@ -124,12 +127,13 @@ class KVPlanLayer(CacheLayerMixin):
             self._commit(free=False)  # a commit left pending by the previous step's attention call, if any
         start = self.get_seq_length()
         self.residual_labels.extend(self.owner.labels_for(start, t_new))
-        self.residual["k"] = torch.cat([self.residual["k"], key_states.to(self.dtype)], dim=-2)
-        self.residual["v"] = torch.cat([self.residual["v"], value_states.to(self.dtype)], dim=-2)
+        self.residual["k"].append(key_states.to(self.dtype))
+        self.residual["v"].append(value_states.to(self.dtype))
         if packed:
             # the fused attention reads the packed segments itself and commits afterwards
-            mark_pending(self.residual["k"], self)
-            return self.residual["k"], self.residual["v"]
+            keys, values = self.residual["k"].read(), self.residual["v"].read()
+            mark_pending(keys, self)
+            return keys, values
         first = self._visible_start(start)  # what get_mask_sizes told the mask (``start`` tokens before)
         keys = self._read("k", first)
         values = self._read("v", first)
@@ -169,7 +173,7 @@ class KVPlanLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         if not self.is_initialized:
             return 0
-        return self.committed + self.residual["k"].shape[-2]
+        return self.committed + self.residual["k"].length
 
     def get_max_length(self) -> int:
         return -1
@@ -189,20 +193,20 @@ class KVPlanLayer(CacheLayerMixin):
         n = -tokens_to_remove
         if n == 0 or not self.is_initialized:
             return
-        if n > self.residual["k"].shape[-2]:
+        if n > self.residual["k"].length:
             raise CacheError(
-                f"layer {self.layer_idx}: cannot remove {n} tokens; only the {self.residual['k'].shape[-2]} newest "
-                "(full-precision residual) can be removed, older ones are already quantized"
+                f"layer {self.layer_idx}: cannot remove {n} tokens; only the {self.residual['k'].length} newest "
+                "(the residual) can be removed, older ones are already quantized"
             )
         for kind in KINDS:
-            self.residual[kind] = self.residual[kind][:, :, :-n]
+            self.residual[kind].drop_newest(n)
         del self.residual_labels[-n:]
 
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
         for kind in KINDS:
-            self.residual[kind] = fn(self.residual[kind])
+            self.residual[kind].map_tensors(fn)
             for seg in self.segments[kind]:
                 for block in seg.blocks:
                     block.map_tensors(fn)
@@ -234,7 +238,7 @@ class KVPlanLayer(CacheLayerMixin):
         dequantized copy outlives the call.
         """
         segs = self.segments[kind]
-        res = self.residual[kind]
+        res = self.residual[kind].read()
         base = self.dropped  # out[:, :, i] is position base + i
         first = base if first is None else first
         if not segs or first >= self.committed:  # residual only
@@ -258,6 +262,9 @@ class KVPlanLayer(CacheLayerMixin):
         tokens that arrived since the last commit and the fp16-range check of the Triton
         quantize calls of this commit; it comes before anything is appended, so a failed check
         stores nothing. Appending copies only the new tokens (``PackedBlock.append``).
+
+        Then the residual's fresh tokens are coded (``quantizer.residual_bits`` < 16,
+        :meth:`Residual.seal`): their first forward is over.
         """
         if self.owner.commits_paused:
             return
@@ -268,20 +275,27 @@ class KVPlanLayer(CacheLayerMixin):
             if kept > self.dropped:
                 self._free_before(kept)
         target = committed_length(total, q.residual_length, q.group_size)
+        if target > self.committed:
+            self._commit_oldest(target)
+        for kind in KINDS:
+            self.residual[kind].seal()
+
+    def _commit_oldest(self, target: int) -> None:
+        """Quantize residual tokens ``[committed, target)`` into segments (see :meth:`_commit`)."""
+        q = self.owner.plan.quantizer
         n = target - self.committed
-        if n <= 0:
-            return
-        on_cuda = self.residual["k"].is_cuda
+        on_cuda = self.residual["k"].device.type == "cuda"
         if self._nonfinite is not None:
             if bool(self._nonfinite):  # host sync (CUDA, once per commit; see above)
-                self._raise_nonfinite(self.residual["k"], self.residual["v"], f"cache position {self.committed} +")
+                self._raise_nonfinite(self.residual["k"].read(), self.residual["v"].read(),
+                                      f"cache position {self.committed} +")
             self._nonfinite = None
         range_flag = torch.zeros(1, dtype=torch.int32, device=self.residual["k"].device) if on_cuda else None
         runs = stored_runs(self.residual_labels, self.committed, n, q.sink_length)
         all_heads = tuple(range(self.owner.geometry.num_kv_heads))
         new = {kind: [] for kind in KINDS}  # kind -> [(label, start, length, blocks)]
         for kind in KINDS:
-            chunk = self.residual[kind][:, :, :n]
+            chunk = self.residual[kind].oldest(n)  # as read: coded residual tokens are encoded from their read
             for label, start, length, sink in runs:
                 offset = start - self.committed
                 x = chunk[:, :, offset : offset + length]
@@ -309,9 +323,9 @@ class KVPlanLayer(CacheLayerMixin):
                     segs[-1].length += length
                 else:
                     segs.append(Segment(label, start, length, blocks))
-            # keep only the uncommitted tail; clone so the committed full-precision copy is freed
-            # (the residual holds at most residual_length + group_size tokens: O(1) per step)
-            self.residual[kind] = self.residual[kind][:, :, n:].clone()
+            # keep only the uncommitted tail (copied, so the committed tokens' bytes are freed; the
+            # residual holds at most residual_length + group_size tokens: O(1) per step)
+            self.residual[kind].drop_oldest(n)
         del self.residual_labels[:n]
         self.committed = target
 
@@ -323,7 +337,7 @@ class KVPlanLayer(CacheLayerMixin):
         if kept > self.committed:  # tokens never committed: dropped from the residual
             n = kept - self.committed
             for kind in KINDS:
-                self.residual[kind] = self.residual[kind][:, :, n:].clone()
+                self.residual[kind].drop_oldest(n)
             del self.residual_labels[:n]
             self.committed = kept
         for kind in KINDS:

@@ -5,7 +5,7 @@ the attention function ``kvplan_packed`` with transformers' ``AttentionInterface
 SDPA's mask function with ``AttentionMaskInterface``) and sets it on the model's text
 decoder only; a VLM's vision tower keeps its own attention.
 
-A cache layer in this mode returns its full-precision residual from ``update`` and
+A cache layer in this mode returns its residual (as the cache reads it) from ``update`` and
 remembers itself under that tensor's id; the attention function finds the layer and
 runs the cache's kernel (:func:`kvplan.kernels.triton_kernels.packed_decode_attention` on
 CUDA, :func:`kvplan.kernels.attention_chunked.chunked_decode_attention` elsewhere) over the

@@ -14,6 +14,10 @@ quantized block may carry ``rotation``; its codes then hold ``forward(x, positio
 return ``inverse(x̂, position)``, ``position`` being the cache index of the block's first token.
 The key correction, when present, codes the error left after the inverse rotation.
 
+The residual (:class:`Residual`): the newest tokens of one kind not committed yet, held as
+written or -- ``quantizer.residual_bits`` 8 / 4 -- as per-token codes once their first forward is
+over, until their group commits.
+
 Growth: a committed block is extended in place by :meth:`PackedBlock.append`. Its tensors are
 views of the first ``length`` tokens of capacity buffers that grow by 1.5x when full, so a
 commit copies only its own tokens (amortised O(1) per token, not the whole history again).
@@ -278,3 +282,112 @@ class Segment:
     start: int
     length: int
     blocks: list[PackedBlock] = field(default_factory=list)
+
+
+class Residual:
+    """The newest tokens of one kind of one layer that are not committed yet: ``[B, H_kv, n, D]``, in
+    time order (the ``residual_length`` window and the group still filling).
+
+    ``bits == 16``: held as written (the cache's dtype). ``bits`` 8 or 4 (``quantizer.residual_bits``):
+    tokens written by the current forward stay as written (``fresh``: their first use is at full
+    precision, and the evaluated tokens of a paused cache are never coded) until :meth:`seal`, which
+    codes them per token (:class:`PackedBlock`, v1 format, token axis: fp16 scale and zero per group of
+    ``group_size`` channels along D) into ``sealed``. Sealed tokens are read dequantized and, when
+    their group commits, encoded from that read into their slot format; nothing is coded twice in
+    the residual. At most ``residual_length + group_size - 1`` tokens wait here, so the
+    concatenations below are O(1) per step.
+    """
+
+    def __init__(self, bits: int, group_size: int, empty: torch.Tensor):
+        self.bits = bits
+        self.group_size = group_size
+        self.sealed: PackedBlock | None = None  # the oldest tokens, coded (bits < 16 only)
+        self.fresh = empty  # [B, H_kv, n_fresh, D] as written, after the sealed ones
+
+    @property
+    def length(self) -> int:
+        return (0 if self.sealed is None else self.sealed.length) + self.fresh.shape[-2]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        B, H, _, D = self.fresh.shape
+        return B, H, self.length, D
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fresh.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fresh.device
+
+    def append(self, x: torch.Tensor) -> None:
+        """Add the newest tokens ``x [B, H_kv, t, D]`` (as written, until :meth:`seal`)."""
+        self.fresh = torch.cat([self.fresh, x], dim=-2)
+
+    def read(self) -> torch.Tensor:
+        """Every token as the cache reads it: ``[B, H_kv, n, D]`` in the cache's dtype (the stored
+        tensor itself while nothing is sealed)."""
+        if self.sealed is None:
+            return self.fresh
+        return torch.cat([self.sealed.decode(self.fresh.dtype), self.fresh], dim=-2)
+
+    def oldest(self, n: int) -> torch.Tensor:
+        """The ``n`` oldest tokens as read (what a commit encodes into the slot formats)."""
+        if self.sealed is None:
+            return self.fresh[:, :, :n]
+        m = self.sealed.length
+        if n <= m:
+            return self.sealed.token_range(0, n).decode(self.fresh.dtype)
+        return torch.cat([self.sealed.decode(self.fresh.dtype), self.fresh[:, :, : n - m]], dim=-2)
+
+    def drop_oldest(self, n: int) -> None:
+        """Forget the ``n`` oldest tokens (committed, or freed by a sliding window); copies what is
+        left so the dropped bytes are released."""
+        if n <= 0:
+            return
+        m = 0 if self.sealed is None else self.sealed.length
+        if m:
+            self.sealed = None if n >= m else self._copied(self.sealed.token_range(n, m))
+        if n > m:
+            self.fresh = self.fresh[:, :, n - m :].clone()
+
+    def drop_newest(self, n: int) -> None:
+        """Forget the ``n`` newest tokens (``Cache.crop``)."""
+        f = self.fresh.shape[-2]
+        self.fresh = self.fresh[:, :, : max(f - n, 0)]
+        if n > f:
+            m = self.sealed.length
+            self.sealed = None if n - f >= m else self._copied(self.sealed.token_range(0, m - (n - f)))
+
+    def seal(self) -> None:
+        """Code the fresh tokens (``bits < 16``; a no-op at 16 bits or when none are fresh)."""
+        if self.bits == FULL_PRECISION_BITS or self.fresh.shape[-2] == 0:
+            return
+        heads = tuple(range(self.fresh.shape[1]))
+        block = PackedBlock.encode(self.fresh, heads, self.bits, "token", self.group_size, 0)
+        if self.sealed is None:
+            self.sealed = block
+        else:
+            self.sealed.append(block)
+        self.fresh = self.fresh[:, :, :0]
+
+    @staticmethod
+    def _copied(block: PackedBlock) -> PackedBlock:
+        block.map_tensors(lambda t: t.clone())
+        return block
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.fresh] + ([] if self.sealed is None else self.sealed.tensors())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the fresh tokens as written plus the sealed codes with their scales and zeros."""
+        sealed = 0 if self.sealed is None else sum(self.sealed.nbytes_parts().values())
+        return self.fresh.nbytes + sealed
+
+    def map_tensors(self, fn) -> None:
+        """Apply ``fn`` to every stored tensor (batch dim first), e.g. for beam reordering."""
+        self.fresh = fn(self.fresh)
+        if self.sealed is not None:
+            self.sealed.map_tensors(fn)

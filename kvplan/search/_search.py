@@ -69,6 +69,7 @@ import optuna
 from optuna.trial import TrialState
 
 from ..errors import KVPlanError
+from ..kernels.qtypes import FULL_PRECISION_BITS
 from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
 from ..models.modality import TOKEN_IDS_NAME
@@ -616,7 +617,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS, key_correction_rank: int | None = None,
            key_correction_bits: int = 4, rotation: str | None = None, key_pre_rope: bool | None = None,
            key_scaling: str | None = None, value_scaling: str | None = None, codebooks: Sequence[str] | None = None,
-           pareto: bool = False, profile: bool | Mapping[str, float] = True,
+           residual_bits: int = FULL_PRECISION_BITS, pareto: bool = False, profile: bool | Mapping[str, float] = True,
            profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
            surrogate_offset: bool = True,
            n_candidates: int = 4, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
@@ -655,7 +656,9 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     :mod:`kvplan.kernels.rotation`. ``key_scaling`` / ``value_scaling`` / ``codebooks``: the slot
     formats of every searched plan (:mod:`kvplan.kernels.formats`: ``"minmax-fp16"``,
     ``"minmax-e4m3"``, ``"absmax-e4m3"``; ``codebooks`` the kinds, of ``"k"`` / ``"v"``, coded with
-    Lloyd-Max levels); ``None``: ``DEFAULT_FORMATS``.
+    Lloyd-Max levels); ``None``: ``DEFAULT_FORMATS``. ``residual_bits``: how every searched plan holds
+    its residual (``quantizer.residual_bits``: 16 as written, 8 / 4 per-token codes until the group
+    commits; it shapes the bpv between group boundaries, and the scores wherever residual tokens are read).
 
     ``surrogate``: screen candidates with the random forest (``False``: every proposal is
     evaluated). ``surrogate_offset``: the forest learns log-KL minus the log of the profile's
@@ -748,7 +751,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                            sink_lengths=sink_lengths, key_basis=key_basis, key_correction_bits=key_correction_bits,
                            rotation=rotation, rope_inv_freq=inv_freq if key_pre_rope else None,
                            key_scaling=key_scaling, value_scaling=value_scaling, codebooks=codebooks,
-                           labelling=labelling_name)
+                           labelling=labelling_name, residual_bits=residual_bits)
 
     BpvModel(make_space(None), reference).check_budget(min(budgets))  # before any study or basis work
     data_hash = getattr(scorer, "data_hash", None)
@@ -788,7 +791,9 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                   "sink_lengths": list(sink_lengths), "key_correction_rank": int(key_correction_rank),
                   "key_correction_bits": int(key_correction_bits), "rotation": rotation,
                   "key_pre_rope": bool(key_pre_rope), "key_scaling": key_scaling, "value_scaling": value_scaling,
-                  "codebooks": list(codebooks)}})
+                  "codebooks": list(codebooks),
+                  # only when set: studies made before the field existed stay joinable
+                  **({"residual_bits": residual_bits} if residual_bits != FULL_PRECISION_BITS else {})}})
     _check_identity(study, identity, study_name, label)
     owner = {**owner_attrs(), "worker": worker, "data_hash": data_hash}
     hb = Heartbeat(st)

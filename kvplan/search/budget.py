@@ -1,7 +1,7 @@
 """The budget: honest bits per value at the plan's reference, and the repair step.
 
 Honest bpv (``Plan.bpv().total``, see :mod:`kvplan.plans.accounting`) is a sum of
-independent per-slot byte counts plus the full-precision residual, so for one quantizer
+independent per-slot byte counts plus the residual (``quantizer.residual_bits``), so for one quantizer
 setting it is *linear* in the slot choices:
 ``bpv = const(q) + sum_slots cost(q, kind, modality, bits)``. :class:`BpvModel` tabulates
 those terms once per quantizer setting (from the same ``run_bytes`` the accounting uses)
@@ -132,11 +132,15 @@ class BpvModel:
         g = self.space.geometry
         T = len(self.labels)
         C = committed_length(T, q.residual_length, q.group_size)
-        # per layer: residual positions it keeps, plus committed sink positions it keeps (stored at
-        # full precision in every slot); sliding-window layers keep only from their kept start on
-        fp_positions = sum(T - max(C, kept) + max(0, min(q.sink_length, C) - kept) for kept in self._kept_starts(q))
-        const = 8.0 * fp_positions * g.head_dim * (self.reference.full_precision_bits // 8) \
-            * g.num_kv_heads * 2 / self.n_values(q)
+        # per layer: residual positions it keeps (held as quantizer.residual_bits says), plus committed
+        # sink positions it keeps (full precision in every slot); sliding-window layers keep only from
+        # their kept start on
+        fp_bytes = self.reference.full_precision_bits // 8
+        kept_starts = self._kept_starts(q)
+        residual_positions = sum(T - max(C, kept) for kept in kept_starts)
+        sink_positions = sum(max(0, min(q.sink_length, C) - kept) for kept in kept_starts)
+        const = 8.0 * (residual_positions * q.residual_token_bytes(g.head_dim, fp_bytes)
+                       + sink_positions * g.head_dim * fp_bytes) * g.num_kv_heads * 2 / self.n_values(q)
         sc = self.slot_costs(q)
         bit_col = {c: i for i, c in enumerate(self.space.codes)}
         groups = self.space.groups

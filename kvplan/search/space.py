@@ -85,7 +85,7 @@ class SearchSpace:
                  key_basis=None, key_correction_bits: int = 4, rotation: str = "none",
                  rope_inv_freq: Sequence[float] | None = None, key_scaling: str = "minmax-fp16",
                  value_scaling: str = "minmax-fp16", codebooks: Sequence[str] = (),
-                 labelling: str = TOKEN_IDS_NAME):
+                 labelling: str = TOKEN_IDS_NAME, residual_bits: int = FULL_PRECISION_BITS):
         if granularity not in GRANULARITIES:
             raise KVPlanError(f"granularity {granularity!r} is not one of {list(GRANULARITIES)}")
         bits = tuple(sorted(set(int(b) for b in bits)))
@@ -120,8 +120,9 @@ class SearchSpace:
         # one list, or a dict layer type -> list (several RoPE bases, kvplan.plans._rope)
         self.rope_inv_freq = None if rope_inv_freq is None else as_floats(normalize_rope_inv_freq(rope_inv_freq))
         self.fixed_fields = {**self.key_correction, "rotation": rotation, "key_pre_rope": rope_inv_freq is not None,
-                             "key_scaling": key_scaling, "value_scaling": value_scaling}
-        QuantizerSettings(**self.fixed_fields)  # validates rotation and scalings
+                             "key_scaling": key_scaling, "value_scaling": value_scaling,
+                             "residual_bits": residual_bits}
+        QuantizerSettings(**self.fixed_fields)  # validates rotation, scalings and residual_bits
         # kinds whose quantized bits get Lloyd-Max codebooks (fitted per group length: codebooks_for)
         self.codebook_kinds = tuple(k for k in ("k", "v") if k in tuple(codebooks))
         if len(self.codebook_kinds) != len(tuple(codebooks)):
@@ -292,6 +293,7 @@ class SearchSpace:
                 "formats": {"key_scaling": self.fixed_fields["key_scaling"],
                             "value_scaling": self.fixed_fields["value_scaling"],
                             "codebooks": list(self.codebook_kinds)},
+                "residual_bits": self.fixed_fields["residual_bits"],
                 "value_axis": self.value_axis, "modalities": list(self.modalities), "shape": list(self.shape),
                 "n_params": len(self.distributions()), "pairs": [list(p) for p in self.pairs]}
 

@@ -27,12 +27,12 @@ def _formats_plan(geometry=GEOM, **kw):
     return base.replace(quantizer=q)
 
 
-def test_version_2_round_trip_keeps_formats(tmp_path):
+def test_round_trip_keeps_formats(tmp_path):
     plan = _formats_plan()
     path = tmp_path / "p.yaml"
     plan.to_yaml(path)
     doc = yaml.safe_load(path.read_text())
-    assert doc["schema_version"] == 2
+    assert doc["schema_version"] == 3 and "residual_bits" not in doc["quantizer"]  # 16: the default, not written
     assert doc["quantizer"]["value_scaling"] == "absmax-e4m3"
     assert doc["quantizer"]["codebooks"]["v"][3] == list(default_codebook(3, "absmax-e4m3", 16))
     back = Plan.from_yaml(path)
@@ -43,8 +43,8 @@ def test_version_2_round_trip_keeps_formats(tmp_path):
 
 
 def test_version_1_file_migrates_to_v1_formats(tmp_path):
-    """A schema-1 file reads as v1 formats (fp16 min-max, uniform codes) and is written back as
-    version 2 with the same bits and bpv."""
+    """A schema-1 file reads as v1 formats (fp16 min-max, uniform codes) and a full-precision residual,
+    and is written back as the newest version with the same bits and bpv."""
     plan = uniform_plan(GEOM, 2, 2, group_size=32)
     doc = plan.to_dict()
     doc["schema_version"] = 1
@@ -52,8 +52,46 @@ def test_version_1_file_migrates_to_v1_formats(tmp_path):
     path.write_text(yaml.safe_dump(doc))
     old = Plan.from_yaml(path)
     assert old.quantizer.v1_formats and old.quantizer.format("k", 2).legacy
+    assert old.quantizer.residual_bits == 16
     assert old.bpv() == plan.bpv()
-    assert old.to_dict()["schema_version"] == 2
+    assert old.to_dict()["schema_version"] == 3
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_residual_bits_round_trip_and_count(tmp_path, bits):
+    base = uniform_plan(GEOM, 2, 2, group_size=32, residual_length=0)
+    plan = base.replace(quantizer=dataclasses.replace(base.quantizer, residual_bits=bits))
+    path = tmp_path / "p.yaml"
+    plan.to_yaml(path)
+    assert yaml.safe_load(path.read_text())["quantizer"]["residual_bits"] == bits
+    back = Plan.from_yaml(path)
+    assert back.quantizer.residual_bits == bits and back.bpv() == plan.bpv()
+    # 300 tokens: 288 committed, 12 in the residual, coded per token (fp16 scale + zero per group of
+    # min(group_size, head_dim) channels)
+    D = GEOM.head_dim
+    per_token = D * bits // 8 + (D // min(32, D)) * 4
+    assert plan.quantizer.residual_token_bytes(D, 2) == per_token
+    fp16 = base.bpv(context_len=300)
+    coded = plan.bpv(context_len=300)
+    assert coded.payload == fp16.payload and coded.scales_zeros == fp16.scales_zeros
+    assert fp16.residual == pytest.approx(8 * 12 * D * 2 / (300 * D))
+    assert coded.residual == pytest.approx(8 * 12 * per_token / (300 * D))
+    assert plan.bpv(context_len=288) == base.bpv(context_len=288)  # nothing waits at a group boundary
+
+
+def test_version_2_file_with_residual_bits_is_refused(tmp_path):
+    base = uniform_plan(GEOM, 2, 2)
+    doc = base.replace(quantizer=dataclasses.replace(base.quantizer, residual_bits=8)).to_dict()
+    doc["schema_version"] = 2
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=r"quantizer\.residual_bits: needs schema_version 3 \(the file says 2\)"):
+        Plan.from_yaml(path)
+    doc["schema_version"] = 3
+    doc["quantizer"]["residual_bits"] = 2
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=r"quantizer\.residual_bits: must be one of"):
+        Plan.from_yaml(path)
 
 
 def test_version_1_file_with_version_2_keys_is_refused(tmp_path):
@@ -65,10 +103,11 @@ def test_version_1_file_with_version_2_keys_is_refused(tmp_path):
         Plan.from_yaml(path)
 
 
-def test_a_version_1_reader_says_newer_schema(tmp_path, monkeypatch):
+@pytest.mark.parametrize("reader", [1, 2])
+def test_an_older_reader_says_newer_schema(tmp_path, monkeypatch, reader):
     path = tmp_path / "p.yaml"
     _formats_plan().to_yaml(path)
-    monkeypatch.setattr(_parse, "SCHEMA_VERSION", 1)
+    monkeypatch.setattr(_parse, "SCHEMA_VERSION", reader)
     with pytest.raises(PlanError, match="schema_version: is newer than this kvplan supports"):
         Plan.from_yaml(path)
 

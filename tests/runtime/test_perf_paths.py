@@ -12,7 +12,7 @@ GEOM = Geometry(2, 4, 16, ("full", "full"), "llama")
 def _slow_read(layer, kind):
     """The straightforward read: decode every block, place its heads, concatenate the residual."""
     parts = []
-    res = layer.residual[kind]
+    res = layer.residual[kind].read()
     for seg in layer.segments[kind]:
         out = torch.empty(res.shape[0], res.shape[1], seg.length, res.shape[-1], dtype=layer.dtype)
         for block in seg.blocks:

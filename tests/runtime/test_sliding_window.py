@@ -92,7 +92,7 @@ def test_full_precision_plan_generates_as_dynamic_cache_past_the_window(which, a
 def _storage_bytes(layer) -> int:
     seen, n = set(), 0
     for kind in ("k", "v"):
-        tensors = [layer.residual[kind]] + [t for seg in layer.segments[kind] for b in seg.blocks for t in b.tensors()]
+        tensors = layer.residual[kind].tensors() + [t for seg in layer.segments[kind] for b in seg.blocks for t in b.tensors()]
         for t in tensors:
             s = t.untyped_storage()
             if s.data_ptr() not in seen:

@@ -111,6 +111,15 @@ def test_infeasible_budget_fails_fast():
     assert sc.calls == 0
 
 
+def test_residual_bits_reach_every_scored_plan_and_the_export(tmp_path):
+    sc = Recorder()
+    out = tmp_path / "plan.yaml"
+    r = search(budget="2.8bpv", n_trials=10, seed=0, scorer=sc, out=out, profile=False, residual_bits=8, **FAST)
+    assert r.plan.quantizer.residual_bits == 8 and Plan.from_yaml(out).quantizer.residual_bits == 8
+    assert max(sc.trial_bpv) <= 2.8 + 1e-9  # the budget holds with the coded residual's bytes
+    assert json.loads(out.with_suffix(".search.json").read_text())["space"]["residual_bits"] == 8
+
+
 @pytest.mark.parametrize("granularity", ["layer_kv", "kvtuner"])
 def test_coarse_granularities(granularity):
     r = search(budget=3.0, granularity=granularity, n_trials=12, scorer=SyntheticScorer(), out=None, profile=False,
