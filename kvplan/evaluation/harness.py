@@ -331,8 +331,9 @@ def build_plan_cache(model, plan: Plan, prepared: PreparedSample) -> KVPlanCache
     return cache
 
 
-def fp_slot_bytes(cache: KVPlanCache) -> int:
-    """Bytes of committed 16-bit (unquantized) slots in ``cache`` (held in the model dtype)."""
+def full_precision_bytes(cache: KVPlanCache) -> int:
+    """Bytes ``cache`` holds in the model dtype: committed 16-bit (unquantized) slots and the residual
+    tokens held as written (all of them, unless ``quantizer.residual_bits`` codes them)."""
     n = 0
     for layer in cache.layers:
         for kind in KINDS:
@@ -340,6 +341,9 @@ def fp_slot_bytes(cache: KVPlanCache) -> int:
                 for block in seg.blocks:
                     if block.bits == FULL_PRECISION_BITS:
                         n += block.codes.nbytes
+            residual = getattr(layer, "residual", {}).get(kind)
+            if residual is not None:
+                n += residual.fresh.nbytes
     return n
 
 
@@ -359,7 +363,7 @@ def cache_stats(cache: KVPlanCache, prepared: PreparedSample, plan: Plan) -> dic
     parts = cache.nbytes_breakdown()
     nvals = cache.num_values()
     elem = prepared.kv[0][0].element_size()
-    fp_bytes = fp_slot_bytes(cache) + parts["residual"]
+    fp_bytes = full_precision_bytes(cache)
     bytes16 = parts["total"] - fp_bytes + fp_bytes * 2 // elem
     expected = plan_bytes(plan, g, cache.labels_for(0, prepared.history_len), fp_bytes=elem)
     out = {

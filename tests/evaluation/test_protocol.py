@@ -124,6 +124,22 @@ def test_only_history_is_quantized(smol, prepared):
     assert m["kl"] == pytest.approx(kl_ref, rel=1e-4, abs=1e-7)
 
 
+@pytest.mark.slow
+def test_cache_stats_count_a_coded_residual_as_coded(smol, prepared):
+    """With quantizer.residual_bits the waiting tokens are codes, not model-dtype values: the measured bpv
+    (fp32 storage) and the 16-bit-equivalent bpv both equal the plan's accounting."""
+    g = Geometry.of(smol[0])
+    base = uniform_plan(g, 2, modalities=MODS, group_size=128, residual_length=16)  # 256 tokens: 128 wait
+    plan = base.replace(quantizer=replace(base.quantizer, residual_bits=8))
+    p = prepared[0]
+    stats = cache_stats(build_plan_cache(smol[0], plan, p), p, plan)
+    T = p.history_len
+    assert stats["nbytes"]["residual"] > 0
+    assert stats["bpv_measured"] == plan.bpv(context_len=T, full_precision_bits=32).total
+    assert stats["bpv"] == plan.bpv(context_len=T, full_precision_bits=16).total
+    assert stats["bpv"] < base.bpv(context_len=T, full_precision_bits=16).total
+
+
 def test_kl_in_row_chunks_equals_the_whole_formula():
     from kvplan.evaluation import harness
 
