@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The issue-19 benchmark: the default search on Gemma-3-270M (GGUF), timed, with the load average
 # before and after (the build box is shared: say what else ran). Usage (repo root, venv built):
-#   OMP_NUM_THREADS=1 bash bench/gemma3_search.sh [OUT_DIR]   (default bench/results/gemma3)
-# Writes OUT_DIR/plan.yaml (+ .trials.csv / .search.json), search.log, time.txt, run.txt.
+#   bash bench/gemma3_search.sh [OUT_DIR]   (default bench/results/gemma3; KVPLAN_COMMIT=... stamps a run
+#   made from a copy without .git)
+# Writes OUT_DIR/plan.yaml (+ .trials.csv / .search.json), search.log, time.txt, run.txt. The recorded run
+# (bench/gemma3.md) used the default --processes (2 on the 2-core box, one torch thread each).
 set -euo pipefail
 OUT=${1:-bench/results/gemma3}
 mkdir -p "$OUT"
