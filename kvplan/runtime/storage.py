@@ -370,7 +370,8 @@ class Residual:
             self.sealed = block
         else:
             self.sealed.append(block)
-        self.fresh = self.fresh[:, :, :0]
+        B, H, _, D = self.fresh.shape
+        self.fresh = self.fresh.new_empty((B, H, 0, D))  # not a view: the coded tokens' bytes are released
 
     @staticmethod
     def _copied(block: PackedBlock) -> PackedBlock:
