@@ -145,9 +145,10 @@ def _rows(sample: Sample, pad_id: int) -> tuple[torch.Tensor, list[int]]:
     return ids, lengths
 
 
-def _takes_logits_to_keep(model) -> bool:
-    """Whether ``model.forward`` can skip the vocabulary projection of positions (``logits_to_keep``)."""
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+def logits_to_keep(model, n: int) -> dict[str, int]:
+    """``{"logits_to_keep": n}`` when ``model.forward`` can skip the vocabulary projection of all but the
+    last ``n`` positions, else ``{}`` (the caller then slices the logits itself)."""
+    return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 @torch.no_grad()
@@ -156,7 +157,7 @@ def _forward_rows(model, cache, rows: torch.Tensor, position_ids: torch.Tensor, 
     """Log-probs ``[R, L, V]`` of ``rows`` run against ``cache``; ``keep``: only the last ``keep``
     positions' (``[R, keep, V]``; the model skips the others' vocabulary projection where it can)."""
     dev = _model_device(model)
-    extra = {"logits_to_keep": keep} if keep is not None and _takes_logits_to_keep(model) else {}
+    extra = {} if keep is None else logits_to_keep(model, keep)
     out = model(input_ids=rows.to(dev), cache=cache, position_ids=position_ids.to(dev), use_cache=True, **extra)
     logits = out.logits if keep is None or extra else out.logits[:, -keep:]
     return torch.log_softmax(logits.float(), dim=-1)

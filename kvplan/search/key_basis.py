@@ -9,7 +9,6 @@ queries and then runs SDPA.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -52,7 +51,9 @@ def query_second_moments(model, sequences: Iterable[Sequence[int] | Mapping[str,
     device = next(model.parameters()).device
     # the queries are all it needs: the logits of every position (a 49k-vocabulary projection of
     # each token on the default model) are not computed
-    keep_one = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    from ..evaluation.harness import logits_to_keep  # not at import: the harness pulls in transformers
+
+    keep_one = logits_to_keep(model, 1)
 
     def moments_of(item) -> torch.Tensor:
         inputs = dict(item) if isinstance(item, Mapping) else {"input_ids": list(item)}

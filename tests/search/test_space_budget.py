@@ -1,5 +1,7 @@
 """Search space <-> tables, honest-bpv model, budget parsing, repair and the knapsack seed."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from optuna.distributions import CategoricalDistribution, IntDistribution
@@ -82,7 +84,7 @@ def test_bpv_model_equals_accounting(granularity, formats):
         plain = BpvModel(SearchSpace(GEOM, MODS, granularity, key_axes=("channel", "token"),
                                      sink_lengths=(0, 3, 70)), REF)
         q = next(q for q in sp.quantizers() if q.residual_length == 128)
-        assert BpvModel(sp, REF).floor(q) < plain.floor(q.__class__(**{**q.__dict__, "residual_bits": 16}))
+        assert BpvModel(sp, REF).floor(q) < plain.floor(dataclasses.replace(q, residual_bits=16))
     elif formats != "v1":  # every quantizer of the space carries its formats and group-length codebooks
         assert all(q.value_scaling == "absmax-e4m3" and len(q.codebooks) == 6 for q in sp.quantizers())
         assert all(sp.contains_quantizer(q) for q in sp.quantizers())
