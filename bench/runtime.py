@@ -557,7 +557,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="consecutive decode steps per config per round")
     p.add_argument("--full", action="store_true", help="full grid: decode 1k/4k/16k x 1/8, prefill 1k/4k x 1/8")
     p.add_argument("--configs", nargs="+", help="only these configs (names as in the table)")
-    p.add_argument("--kvplan-attention", default="auto", choices=["auto", "chunked", "triton", "dequantize"],
+    p.add_argument("--kvplan-attention", default="auto", choices=["auto", "native", "chunked", "triton", "dequantize"],
                    help="decode attention of the kvplan configs, as kvplan.load(..., attention=...)")
     p.add_argument("--plan-file", help="a searched plan file (YAML) to add")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -3,7 +3,9 @@
 Each op has a PyTorch reference (``reference.py``) and a Triton kernel with the same
 signature (``triton_kernels.py``). CUDA tensors go to Triton when it imports; everything
 else goes to the reference. Triton is imported lazily, so CPU-only installs work.
-Set ``KVPLAN_DISABLE_TRITON=1`` to force the reference everywhere.
+Set ``KVPLAN_DISABLE_TRITON=1`` to force the reference everywhere. Decode attention on the CPU
+has native C loops (``attention_native.py``) besides the chunked PyTorch kernel;
+``KVPLAN_DISABLE_NATIVE=1`` turns them off.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ __all__ = [
     "FULL_PRECISION_BITS",
     "decode_attention",
     "decode_attention_kernel",
+    "native_unavailable",
     "GROUP_SIZES",
     "QTYPES",
     "SUPPORTED_BITS",
@@ -89,20 +92,55 @@ def decode_attention(q, key_blocks, value_blocks, key_residual, value_residual, 
     """Decode attention over packed blocks + residual: ``q [B, Hq, Tq, D]`` -> ``[B, Hq, Tq, D]``.
 
     The fused Triton kernel for CUDA tensors when Triton imports
-    (``triton_kernels.packed_decode_attention``), else the chunked PyTorch kernel
+    (``triton_kernels.packed_decode_attention``); on the CPU the native kernel
+    (``attention_native.native_decode_attention``, C loops built at first use) when it builds
+    here and serves the head_dim, else the chunked PyTorch kernel
     (``attention_chunked.chunked_decode_attention``: dequantize a cache-sized chunk, attend,
-    next chunk). ``attention_reference.reference_decode_attention`` is the test oracle.
+    next chunk), with a warning saying why. ``attention_reference.reference_decode_attention``
+    is the test oracle.
     """
-    return decode_attention_kernel(q.is_cuda)(q, key_blocks, value_blocks, key_residual, value_residual,
-                                              attn_mask, sm_scale)
+    return decode_attention_kernel(q.is_cuda, q.shape[-1])(q, key_blocks, value_blocks, key_residual,
+                                                           value_residual, attn_mask, sm_scale)
 
 
-def decode_attention_kernel(cuda: bool):
-    """The decode-attention function :func:`decode_attention` uses for CUDA (``True``) or other tensors."""
+def decode_attention_kernel(cuda: bool, head_dim: int | None = None):
+    """The decode-attention function for CUDA (``True``) or CPU tensors of this ``head_dim``
+    (``None``: not known yet; the native kernel checks it per call)."""
     if cuda and triton_available():
         from .triton_kernels import packed_decode_attention
 
         return packed_decode_attention
+    if not cuda:
+        why = native_unavailable(head_dim)
+        if why is None:
+            from .attention_native import native_decode_attention
+
+            return native_decode_attention
+        _warn_chunked_once(why)
     from .attention_chunked import chunked_decode_attention
 
     return chunked_decode_attention
+
+
+def native_unavailable(head_dim: int | None = None) -> str | None:
+    """Why the native CPU decode attention cannot run here (``None``: it can). Builds it on first call."""
+    if os.environ.get("KVPLAN_DISABLE_NATIVE") == "1":
+        return "KVPLAN_DISABLE_NATIVE=1"
+    from .attention_native import native_supports
+    from .native_build import NativeUnavailable, native_library
+
+    if head_dim is not None and native_supports(head_dim) is not None:
+        return native_supports(head_dim)
+    try:
+        native_library()
+    except NativeUnavailable as e:
+        return str(e)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_chunked_once(why: str) -> None:
+    import warnings
+
+    warnings.warn(f"kvplan: the native CPU decode attention is not available ({why}); using the chunked "
+                  "PyTorch kernel, which is slower", RuntimeWarning, stacklevel=3)

@@ -44,7 +44,7 @@ import math
 
 import torch
 
-__all__ = ["CHUNK_BYTES", "chunked_decode_attention"]
+__all__ = ["CHUNK_BYTES", "ChunkedPieces", "chunked_decode_attention", "packed_attention"]
 
 # fp32 bytes of one dequantized chunk ([B, h, C, D]); about an L2/L3 share per core
 CHUNK_BYTES = 4 << 20
@@ -112,6 +112,27 @@ def _key_scores(piece, qg, q_rot, scratch, out) -> None:
         out.add_(torch.matmul(torch.matmul(qg, piece.basis), z.transpose(-1, -2)))
 
 
+class ChunkedPieces:
+    """How :func:`packed_attention` reads packed blocks in the chunked PyTorch kernel: token
+    chunks of ``CHUNK_BYTES`` dequantized into reused buffers (see the module docstring)."""
+
+    def __init__(self):
+        self.scratch = [None, None, None]  # reused fp32 buffers: stored codes, un-Hadamarded keys, correction
+
+    def pieces(self, blocks, B: int, D: int):
+        return _segment_pieces(blocks, B, D)
+
+    def rotated_query(self, qg: torch.Tensor, key_blocks) -> torch.Tensor | None:
+        return _rotated_query(qg, key_blocks)
+
+    def key_scores(self, piece, qg, q_rot, out) -> None:
+        _key_scores(piece, qg, q_rot, self.scratch, out)
+
+    def value_add(self, piece, probs, acc) -> None:
+        """``acc [B, h, R, D] += probs [B, h, R, C] @ v`` of the piece's values as stored."""
+        acc.add_(torch.matmul(probs, _dequantized(piece, self.scratch)))
+
+
 def chunked_decode_attention(
     q: torch.Tensor,
     key_blocks,
@@ -129,6 +150,15 @@ def chunked_decode_attention(
     attend), ``[B or 1, 1 or Hq, Tq, T_total]``. GQA: query head ``j`` reads KV head
     ``j // (Hq // H_kv)``. A fully masked row gives NaN, as softmax does.
     """
+    return packed_attention(q, key_blocks, value_blocks, key_residual, value_residual, attn_mask, sm_scale,
+                            ChunkedPieces())
+
+
+def packed_attention(q, key_blocks, value_blocks, key_residual, value_residual, attn_mask, sm_scale, reader):
+    """The decode attention of :func:`chunked_decode_attention` with the packed blocks read by
+    ``reader`` (:class:`ChunkedPieces`, or the native kernel's reader in
+    :mod:`kvplan.kernels.attention_native`): scores of every piece into one score tensor, the
+    mask, one softmax, then every piece's values, the Hadamard of rotated values applied once."""
     B, Hq, Tq, D = q.shape
     seg_lengths = [blocks[0].length for blocks in key_blocks if blocks]
     if key_residual is not None:
@@ -147,17 +177,16 @@ def chunked_decode_attention(
         raise ValueError("no keys to attend to (no segments and no residual)")
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     qg = (q.float() * scale).reshape(B, Hkv, R, D)  # rows of KV head h: its n_rep query heads x Tq
-    q_rot = _rotated_query(qg, key_blocks)  # qg H or qg[..., perm], once per step, for rotated keys
-    scratch = [None, None, None]  # reused fp32 buffers: stored codes, un-Hadamarded keys, correction codes
+    q_rot = reader.rotated_query(qg, key_blocks)  # the query rotated once per step, for rotated keys
 
     scores = torch.empty(B, Hkv, R, T_total, dtype=torch.float32, device=q.device)  # [B, H_kv, n_rep·Tq, T]
     pos = 0
     for blocks in key_blocks:
         if not blocks:
             continue
-        for h0, h1, a, b, piece in _segment_pieces(blocks, B, D):
-            _key_scores(piece, qg[:, h0:h1], None if q_rot is None else q_rot[:, h0:h1], scratch,
-                        scores[:, h0:h1, :, pos + a : pos + b])
+        for h0, h1, a, b, piece in reader.pieces(blocks, B, D):
+            reader.key_scores(piece, qg[:, h0:h1], None if q_rot is None else q_rot[:, h0:h1],
+                              scores[:, h0:h1, :, pos + a : pos + b])
         pos += blocks[0].length
     if T_res:
         torch.matmul(qg, key_residual.float().transpose(-1, -2), out=scores[..., pos:])
@@ -179,8 +208,7 @@ def chunked_decode_attention(
     for blocks in value_blocks:
         if not blocks:
             continue
-        for h0, h1, a, b, piece in _segment_pieces(blocks, B, D):
-            v = _dequantized(piece, scratch)
+        for h0, h1, a, b, piece in reader.pieces(blocks, B, D):
             acc = out
             if piece.rotation is not None:
                 if piece.rotation.inv_freq is not None:
@@ -188,7 +216,7 @@ def chunked_decode_attention(
                 if out_h is None:
                     out_h, hadamard = torch.zeros_like(out), piece.rotation.hadamard
                 acc = out_h
-            acc[:, h0:h1].add_(torch.matmul(probs[:, h0:h1, :, pos + a : pos + b], v))
+            reader.value_add(piece, probs[:, h0:h1, :, pos + a : pos + b], acc[:, h0:h1])
         pos += blocks[0].length
     if T_res:
         out.add_(torch.matmul(probs[..., pos:], value_residual.float()))

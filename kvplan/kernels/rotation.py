@@ -87,6 +87,7 @@ class Rotation:
         # the history needs them, so they are computed once, not per block and step
         self._cos = self._sin = None
         self._cis = None  # cos + i sin of the same table (complex64), rebuilt when it grows
+        self._angles_t = None  # cos / sin of the same table transposed, [d/2, n] each (native kernel)
         self._tile = self._pairs = None  # tile_matrices(), pair_order(): built once
 
     def pair_order(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -125,6 +126,16 @@ class Rotation:
             p[i, i + h] = 1.0
             self._tile = (a.contiguous(), (a @ p).contiguous())
         return self._tile
+
+    def angles_by_pair(self, position: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``cos`` / ``sin [d/2, length]`` of cache indices ``position ..``: :meth:`angles`
+        transposed (views of a table rebuilt when the table grows), so that one rotary pair's
+        angles over consecutive tokens are contiguous."""
+        self.angles(position, length)
+        if self._angles_t is None or self._angles_t[0].shape[1] != self._cos.shape[0]:
+            self._angles_t = (self._cos.t().contiguous(), self._sin.t().contiguous())
+        cos_t, sin_t = self._angles_t
+        return cos_t[:, position : position + length], sin_t[:, position : position + length]
 
     def angles(self, position: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``cos`` / ``sin [length, d/2]`` of cache indices ``position .. position + length - 1``

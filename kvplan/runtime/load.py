@@ -103,20 +103,32 @@ def make_cache(model, plan, input_ids=None, attention_mask=None, labelling: Labe
     return cache
 
 
-ATTENTION_MODES = ("auto", "triton", "chunked", "dequantize")
+ATTENTION_MODES = ("auto", "triton", "native", "chunked", "dequantize")
 def _attention_kernel(model, attention: str):
     """The decode-attention kernel to use, or ``None`` for dequantize-then-attend."""
-    from ..kernels import decode_attention_kernel, triton_available
+    from ..kernels import decode_attention_kernel, native_unavailable, triton_available
 
     if attention not in ATTENTION_MODES:
         raise PlanError("attention", f"must be one of {list(ATTENTION_MODES)}", attention)
     if attention == "dequantize":
         return None
     on_cuda = next(model.parameters()).is_cuda
-    if attention == "auto":  # Triton on CUDA when it imports, else the chunked kernel
-        return decode_attention_kernel(cuda=on_cuda)
+    head_dim = Geometry.of(model).head_dim
+    if attention == "auto":  # Triton on CUDA when it imports, else native C loops (or chunked, with a warning)
+        return decode_attention_kernel(cuda=on_cuda, head_dim=head_dim)
     if attention == "chunked":
-        return decode_attention_kernel(cuda=False)
+        from ..kernels.attention_chunked import chunked_decode_attention
+
+        return chunked_decode_attention
+    if attention == "native":
+        if on_cuda:
+            raise PlanError("attention", "the native kernel runs on CPU models (CUDA models use Triton)", attention)
+        why = native_unavailable(head_dim)
+        if why is not None:
+            raise PlanError("attention", f"native CPU kernel unavailable: {why}", attention)
+        from ..kernels.attention_native import native_decode_attention
+
+        return native_decode_attention
     if not triton_available():
         raise PlanError("attention", "Triton kernels requested but Triton cannot be imported", attention)
     if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -131,10 +143,13 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
     make ``model.generate(...)`` use a fresh quantized cache following it on every call.
 
     ``attention`` (decode steps; prefill always dequantizes and runs the model's attention):
-    ``"auto"`` uses the fused Triton decode attention on CUDA when Triton imports and the
-    chunked PyTorch kernel otherwise (``kernels/attention_chunked.py``: dequantizes a
-    cache-sized chunk at a time, never the whole history); ``"triton"``, ``"chunked"`` or
-    ``"dequantize"`` (dequantize the history, then the model's own attention) force one.
+    ``"auto"`` uses the fused Triton decode attention on CUDA when Triton imports, and on the
+    CPU the native kernel (``kernels/attention_native.py``: C loops compiled at first use that
+    read the packed codes tile by tile), or -- no C compiler, or a head_dim above 256 -- the
+    chunked PyTorch kernel (``kernels/attention_chunked.py``: dequantizes a cache-sized chunk
+    at a time, never the whole history) with a warning saying why; ``"triton"``, ``"native"``,
+    ``"chunked"`` or ``"dequantize"`` (dequantize the history, then the model's own attention)
+    force one.
     ``labelling``: the :class:`~kvplan.Labelling` the plan was searched with, when it was not
     the default (token ids); a plan searched with another labelling is refused, naming it.
     Returns the model. A ``cache=`` passed to ``generate`` explicitly is used as is.

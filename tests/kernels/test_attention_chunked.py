@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvplan import kernels
 from kvplan.kernels import attention_chunked, decode_attention
 from kvplan.kernels.attention_chunked import chunked_decode_attention
 from kvplan.kernels.attention_reference import reference_decode_attention
@@ -28,11 +29,15 @@ def test_chunked_matches_reference(case, chunk_bytes, monkeypatch):
         torch.testing.assert_close(out.float(), ref.float(), atol=ATTN_TOL[q.dtype][0], rtol=ATTN_TOL[q.dtype][1])
 
 
-def test_dispatcher_uses_chunked_on_cpu():
+def test_dispatcher_uses_chunked_on_cpu_when_native_is_off(monkeypatch):
+    monkeypatch.setenv("KVPLAN_DISABLE_NATIVE", "1")
+    kernels._warn_chunked_once.cache_clear()  # it warns once per process and reason
     Hkv, segments, Tr = PLANS["int4-kivi-3seg"]
     kb, vb, kr, vr, _ = make_cache(1, Hkv, 64, torch.float32, segments, Tr, seed=3)
     q = rand((1, 2 * Hkv, 1, 64), torch.float32, seed=4)
-    assert torch.equal(decode_attention(q, kb, vb, kr, vr), chunked_decode_attention(q, kb, vb, kr, vr))
+    with pytest.warns(RuntimeWarning, match="KVPLAN_DISABLE_NATIVE=1.*chunked"):
+        out = decode_attention(q, kb, vb, kr, vr)
+    assert torch.equal(out, chunked_decode_attention(q, kb, vb, kr, vr))
 
 
 def test_no_keys_is_an_error():

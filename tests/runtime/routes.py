@@ -17,7 +17,8 @@ def triton_runs() -> bool:
 
 needs_triton = pytest.mark.skipif(not triton_runs(), reason="needs Triton with CUDA or TRITON_INTERPRET=1 "
                                   "(tests/conftest.py sets it without a GPU)")
-KERNELS = [pytest.param("chunked", id="chunked"), pytest.param("triton", id="triton", marks=needs_triton)]
+KERNELS = [pytest.param("native", id="native"), pytest.param("chunked", id="chunked"),
+           pytest.param("triton", id="triton", marks=needs_triton)]
 ROUTE_IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12] * 6, [20, 21, 22, 23, 24, 25, 26, 27] * 6])
 
 

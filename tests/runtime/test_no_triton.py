@@ -19,8 +19,8 @@ from tests.tiny_models import tiny_llama
 model = tiny_llama()
 ids = torch.tensor([[5, 6, 7, 8] * 24])
 ref = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False)
-kvplan.load(model, "fp16")  # attention="auto" without Triton: the chunked PyTorch kernel
-assert model._kvplan_attention_kernel.__name__ == "chunked_decode_attention"
+kvplan.load(model, "fp16")  # attention="auto" on the CPU: the native kernel (a C compiler is here)
+assert model._kvplan_attention_kernel.__name__ == "native_decode_attention"
 out = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
 assert torch.equal(out.sequences, ref)
 kvplan.load(model, kvplan.baseline_plan("int2", kvplan.Geometry.of(model), residual_length=0))

@@ -1,0 +1,189 @@
+"""Decode attention over the packed cache with native CPU loops (the CPU default when a C compiler is present).
+
+Same signature and result as :func:`kvplan.kernels.attention_chunked.chunked_decode_attention`
+(it shares its driver, :func:`~kvplan.kernels.attention_chunked.packed_attention`: one score
+tensor, the mask, one softmax, the values' Hadamard applied once to the output); only the two
+per-token loops differ. They run in C (``kernels/native/attention_cpu.c``, built at first use
+by :mod:`kvplan.kernels.native_build`), one call per run of consecutive KV heads of a packed
+block, all its tokens at once:
+
+- **key scores**: 16 tokens at a time are decoded from their packed codes into a channel-major
+  tile, un-Hadamarded there by a fast Walsh-Hadamard transform (``D log D`` adds per key), turned
+  by RoPE at their own cache indices when stored in the pre-RoPE frame, and dotted with the query
+  rows. The chunked PyTorch kernel does the same algebra with whole-chunk tensor ops (a byte table
+  gather, a ``[C, D] x [D, D]`` product, a complex product), each a full pass over a chunk-sized
+  buffer; here a tile never leaves the L1 cache. Keys stored times ``H`` without the pre-RoPE
+  frame are dotted with the query rotated once (``q·(ŷ H) = (q H)·ŷ``), and the key correction
+  adds ``(q U)·ẑ`` with the same loop on the ``r``-channel correction code (``k̂ + U ẑ`` is never
+  built);
+- **values**: each token's row is decoded and added, weighted by its probabilities, into the
+  output rows (``acc += p_t · v_t``); values stored times ``H`` are accumulated in the rotated
+  frame and rotated once by the driver.
+
+Full-precision blocks (16-bit slots) are read by the same torch product as in the chunked kernel.
+Head dims up to :data:`MAX_HEAD_DIM` (the C tiles are stack arrays).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .attention_chunked import packed_attention
+from .native_build import NativeUnavailable, native_library
+
+__all__ = ["MAX_HEAD_DIM", "NativeUnavailable", "native_decode_attention", "native_supports"]
+
+MAX_HEAD_DIM = 256  # MAX_D in attention_cpu.c
+_SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+def native_supports(head_dim: int) -> str | None:
+    """Why the native kernel cannot serve a model with this head_dim (``None``: it can)."""
+    if head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is above the native kernel's {MAX_HEAD_DIM}"
+    return None
+
+
+_LUTS: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _levels(bits: int, fmt) -> torch.Tensor:
+    """fp32 ``L [2**bits]``: the level of each code (the codes themselves for uniform min-max)."""
+    levels = None if fmt is None else fmt.level_units("cpu")
+    return (torch.arange(1 << bits, dtype=torch.float32) if levels is None else levels).contiguous()
+
+
+def _byte_lut(bits: int, fmt) -> torch.Tensor:
+    """fp32 level table the C loops read codes through: per byte value the levels of the codes
+    it packs (2 bits: ``[256, 4]``, 4: ``[256, 2]``, 8: ``[256]``), or the 8 levels (3 bits)."""
+    key = (bits, fmt)
+    if key not in _LUTS:
+        levels = _levels(bits, fmt)
+        if bits == 3:
+            lut = levels
+        else:
+            per_byte = 8 // bits
+            b = torch.arange(256)
+            codes = torch.stack([(b >> (j * bits)) & ((1 << bits) - 1) for j in range(per_byte)], dim=-1)
+            lut = levels[codes]
+        _LUTS[key] = lut.contiguous()
+    return _LUTS[key]
+
+
+def _uniform(piece) -> int:
+    """1 when the piece's levels are its codes (``L[c] = c``: the v1 format and uniform min-max)."""
+    return int(piece.fmt is None or piece.fmt.level_units("cpu") is None)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativePieces:
+    """How :func:`packed_attention` reads packed blocks in the native kernel (one C call per head run)."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    @staticmethod
+    def pieces(blocks, B: int, D: int):
+        for block in blocks:
+            for h0, h1, run in block.head_runs():
+                yield h0, h1, 0, run.length, run
+
+    @staticmethod
+    def rotated_query(qg: torch.Tensor, key_blocks) -> torch.Tensor | None:
+        """The query rotated keys are dotted with: ``qg H`` (Hadamard without the pre-RoPE frame);
+        ``qg / sqrt(D)`` for pre-RoPE keys with a Hadamard (the C transform is unnormalized);
+        ``qg`` for pre-RoPE keys alone; ``None`` when no key block is rotated."""
+        for blocks in key_blocks:
+            for block in blocks:
+                rot = block.rotation
+                if rot is not None:
+                    if rot.inv_freq is None:
+                        return torch.matmul(qg, rot.hadamard)
+                    return qg if rot.hadamard is None else qg * (1.0 / math.sqrt(qg.shape[-1]))
+        return None
+
+    def _run_args(self, piece):
+        """The C arguments describing one packed run: shapes, codes, level table, scales."""
+        if piece.bits not in _SUPPORTED_BITS:
+            raise ValueError(f"the native kernel reads {_SUPPORTED_BITS}-bit codes, not {piece.bits}")
+        if piece.head_dim > MAX_HEAD_DIM:
+            raise ValueError(native_supports(piece.head_dim))
+        codes = piece.codes
+        if codes.stride(-1) != 1:
+            codes = codes.contiguous()
+        scale = piece.scale.float()
+        zero = None if piece.zero is None else piece.zero.float()
+        if scale.stride(-1) != 1 or (zero is not None and zero.stride() != scale.stride()):
+            scale = scale.contiguous()
+            zero = None if zero is None else zero.contiguous()
+        B, h, T = codes.shape[:3]
+        channel = piece.axis == "channel"
+        group = piece.group_size if channel else piece.head_dim // scale.shape[-1]
+        lut = _byte_lut(piece.bits, piece.fmt)
+        keep = (codes, scale, zero, lut)  # alive until the call returns
+        args = [B, h, T, piece.head_dim, None, _ptr(codes), *codes.stride()[:3], piece.bits, _ptr(lut), _ptr(scale),
+                _ptr(zero), *scale.stride()[:3], int(channel), group, piece.start_offset]
+        return args, keep
+
+    def key_scores(self, piece, qg, q_rot, out) -> None:
+        """Scores of one head run's keys into ``out [B, h, R, T]`` (see the module docstring)."""
+        if piece.scale is None:  # full precision
+            torch.matmul(qg, piece.codes.float().transpose(-1, -2), out=out)
+            return
+        rot = piece.rotation
+        q = (qg if rot is None else q_rot).contiguous()
+        hadamard = int(rot is not None and rot.inv_freq is not None and rot.hadamard is not None)
+        half, cos_t, sin_t, cs_f = 0, None, None, 0
+        if rot is not None and rot.inv_freq is not None:
+            half = rot.inv_freq.shape[0]
+            cos_t, sin_t = rot.angles_by_pair(piece.position, piece.length)  # [half, T] views
+            cs_f = cos_t.stride(0)
+        args, keep = self._run_args(piece)
+        args[4] = q.shape[2]
+        self.lib.kvp_key_scores(*args, _ptr(q), *q.stride()[:3], hadamard, half, _ptr(cos_t), _ptr(sin_t), cs_f,
+                                _ptr(out), *out.stride()[:3], 0, _uniform(piece))
+        if piece.correction is not None:  # + (q U)·ẑ: the same loop on the r-channel code, added
+            qu = torch.matmul(qg, piece.basis).contiguous()  # [B, h, R, r]
+            cargs, ckeep = self._run_args(piece.correction)
+            cargs[4] = qu.shape[2]
+            self.lib.kvp_key_scores(*cargs, _ptr(qu), *qu.stride()[:3], 0, 0, None, None, 0,
+                                    _ptr(out), *out.stride()[:3], 1, _uniform(piece.correction))
+        del keep
+
+    def value_add(self, piece, probs, acc) -> None:
+        """``acc [B, h, R, D] += probs [B, h, R, T] @ v`` of one head run's values as stored."""
+        if piece.scale is None:
+            acc.add_(torch.matmul(probs, piece.codes.float()))
+            return
+        args, keep = self._run_args(piece)
+        args[4] = probs.shape[2]
+        if probs.stride(-1) != 1:
+            probs = probs.contiguous()
+        levels = _levels(piece.bits, piece.fmt)
+        self.lib.kvp_value_accum(*args, _ptr(probs), *probs.stride()[:3], _ptr(acc), *acc.stride()[:3], _ptr(levels),
+                                 _uniform(piece))
+        del keep
+
+
+def native_decode_attention(
+    q: torch.Tensor,
+    key_blocks,
+    value_blocks,
+    key_residual: torch.Tensor | None,
+    value_residual: torch.Tensor | None,
+    attn_mask: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`~kvplan.kernels.attention_chunked.chunked_decode_attention` with the native CPU
+    loops (CPU tensors only); raises :class:`NativeUnavailable` when they cannot be built here."""
+    if q.is_cuda:
+        raise ValueError("the native decode attention runs on CPU tensors; CUDA caches use the Triton kernel")
+    return packed_attention(q, key_blocks, value_blocks, key_residual, value_residual, attn_mask, sm_scale,
+                            NativePieces(native_library()))
