@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -100,8 +101,13 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     cmd = "python bench/attention_cpu.py" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(
         argv if argv is not None else sys.argv[1:]))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                           text=True).stdout.strip()
     lines = ["# CPU decode attention, one layer (SmolLM2 head shapes)", "",
-             f"Command: `{cmd}`; torch {torch.__version__}, {args.threads} thread(s), "
+             f"Command: `{cmd}` at commit {commit.strip()}{' (uncommitted changes)' if dirty else ''}; "
+             f"torch {torch.__version__}, {args.threads} thread(s), "
              f"{time.strftime('%Y-%m-%d %H:%M')}, load average at start {os.getloadavg()[0]:.2f}.", "",
              "Median ms per call; `native / sdpa-fp32`: the native kernel's time over fp32 SDPA on the "
              "unquantized cache.", "",

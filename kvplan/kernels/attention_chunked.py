@@ -1,4 +1,9 @@
-"""Decode attention over the packed cache in token chunks (PyTorch, any device; the CPU default).
+"""Decode attention over the packed cache in token chunks (PyTorch, any device; ``attention="chunked"``).
+
+The CPU default is the native kernel (:mod:`kvplan.kernels.attention_native`), which runs the
+same driver (:func:`packed_attention`) with C loops in place of this module's chunk-sized tensor
+ops; this kernel is the CPU route where no C compiler is present, and a readable second
+implementation of the same algebra.
 
 Same signature as :func:`kvplan.kernels.triton_kernels.packed_decode_attention` and
 :func:`kvplan.kernels.attention_reference.reference_decode_attention`, whose result it

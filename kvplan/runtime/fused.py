@@ -1,6 +1,6 @@
 """Decode attention straight from the packed cache, plugged into transformers.
 
-``kvplan.load(model, plan)`` (``attention="auto"``, ``"triton"`` or ``"chunked"``) registers
+``kvplan.load(model, plan)`` (``attention="auto"``, ``"triton"``, ``"native"`` or ``"chunked"``) registers
 the attention function ``kvplan_packed`` with transformers' ``AttentionInterface`` (and
 SDPA's mask function with ``AttentionMaskInterface``) and sets it on the model's text
 decoder only; a VLM's vision tower keeps its own attention.
@@ -8,7 +8,8 @@ decoder only; a VLM's vision tower keeps its own attention.
 A cache layer in this mode returns its residual (as the cache reads it) from ``update`` and
 remembers itself under that tensor's id; the attention function finds the layer and
 runs the cache's kernel (:func:`kvplan.kernels.triton_kernels.packed_decode_attention` on
-CUDA, :func:`kvplan.kernels.attention_chunked.chunked_decode_attention` elsewhere) over the
+CUDA, :func:`kvplan.kernels.attention_native.native_decode_attention` on the CPU, or
+:func:`kvplan.kernels.attention_chunked.chunked_decode_attention`) over the
 packed segments plus the residual, without materializing the whole dequantized cache.
 Tokens that are due for commit are committed right after the attention call, so each
 token's first use is at full precision exactly as on the dequantizing path.
