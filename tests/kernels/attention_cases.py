@@ -198,3 +198,17 @@ def mask(kind, B, Hq, Tq, T_total):
             m[:, :, i, T_total - Tq + i + 1 :] = float("-inf")
         return m.masked_fill(~keep, float("-inf"))
     raise AssertionError(kind)
+
+
+def assert_matches_reference(kernel, case, B: int = 2) -> None:
+    """``kernel`` (a decode-attention function) equals the reference on an ATTN_CASES entry, for the
+    default softmax scale and another one, in the query's dtype, finite."""
+    from kvplan.kernels.attention_reference import reference_decode_attention
+
+    q, kb, vb, kr, vr, m = case_cache(case, B=B, seed=case[4] + case[2])
+    for sm_scale in (None, 0.1):
+        ref = reference_decode_attention(q, kb, vb, kr, vr, m, sm_scale)
+        out = kernel(q, kb, vb, kr, vr, m, sm_scale)
+        assert out.dtype == q.dtype and out.shape == q.shape
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.float(), ref.float(), atol=ATTN_TOL[q.dtype][0], rtol=ATTN_TOL[q.dtype][1])

@@ -13,18 +13,12 @@ from kvplan.kernels.attention_reference import reference_decode_attention
 from kvplan.kernels.formats import Format, default_codebook
 from kvplan.kernels.rotation import Rotation, hadamard_matrix
 from kvplan.runtime.storage import PackedBlock
-from tests.kernels.attention_cases import ATTN_CASES, ATTN_TOL, case_cache, rand
+from tests.kernels.attention_cases import ATTN_CASES, assert_matches_reference, rand
 
 
 @pytest.mark.parametrize("case", list(ATTN_CASES.values()), ids=list(ATTN_CASES))
 def test_native_matches_reference(case):
-    q, kb, vb, kr, vr, m = case_cache(case, B=2, seed=case[4] + case[2])
-    for sm_scale in (None, 0.1):
-        ref = reference_decode_attention(q, kb, vb, kr, vr, m, sm_scale)
-        out = native_decode_attention(q, kb, vb, kr, vr, m, sm_scale)
-        assert out.dtype == q.dtype and out.shape == q.shape
-        assert torch.isfinite(out).all()
-        torch.testing.assert_close(out.float(), ref.float(), atol=ATTN_TOL[q.dtype][0], rtol=ATTN_TOL[q.dtype][1])
+    assert_matches_reference(native_decode_attention, case)
 
 
 def _inv_freq(d):

@@ -88,6 +88,19 @@ static void tile_uniform_channel(vtile *x, const uint8_t *rows, int64_t cs_t, in
     }
 }
 
+/* Rows r0 .. r0 + 3 of a [R, *] array (rows past R repeat row r0, their sums are not written):
+ * the loops take four rows at a time so that four independent sums stay in registers. Returns
+ * how many of the four are real. */
+static inline int four_rows(const float *base, int64_t stride, int r0, int R, const float **r_0, const float **r_1,
+                            const float **r_2, const float **r_3) {
+    const int m = R - r0 < 4 ? R - r0 : 4;
+    *r_0 = base + r0 * stride;
+    *r_1 = base + (r0 + (m > 1 ? 1 : 0)) * stride;
+    *r_2 = base + (r0 + (m > 2 ? 2 : 0)) * stride;
+    *r_3 = base + (r0 + (m > 3 ? 3 : 0)) * stride;
+    return m;
+}
+
 /* Levels of one packed row into v[0 .. D) (v holds MAX_D + 8 floats: a 2-bit row of D % 4 != 0
  * writes up to 3 floats past D). lut: bits 2 -> [256][4] levels of the four codes of each
  * byte value; 4 -> [256][2]; 8 -> [256]; 3 -> the 8 levels themselves. */
@@ -208,11 +221,8 @@ void kvp_key_scores(int B, int H, int T, int D, int R,
                 }
                 /* four query rows at a time: four independent accumulators stay in registers */
                 for (int r0 = 0; r0 < R; r0 += 4) {
-                    const int m = R - r0 < 4 ? R - r0 : 4;
-                    const float *q0 = qb + r0 * qs_r;
-                    const float *q1 = qb + (r0 + (m > 1 ? 1 : 0)) * qs_r;
-                    const float *q2 = qb + (r0 + (m > 2 ? 2 : 0)) * qs_r;
-                    const float *q3 = qb + (r0 + (m > 3 ? 3 : 0)) * qs_r;
+                    const float *q0, *q1, *q2, *q3;
+                    const int m = four_rows(qb, qs_r, r0, R, &q0, &q1, &q2, &q3);
                     vtile a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
                     for (int d = 0; d < D; d++) {
                         const vtile xd = x[d];
@@ -252,11 +262,8 @@ static void values_lanes(int T, int D, int R, const uint8_t *cb, int64_t cs_t, i
     for (int d0 = 0; d0 < D; d0 += TILE) {
         const int gi = d0 / group, byte0 = d0 * bits / 8;
         for (int r0 = 0; r0 < R; r0 += 4) {
-            const int m = R - r0 < 4 ? R - r0 : 4;
-            const float *p0 = pb + r0 * ps_r;
-            const float *p1 = pb + (r0 + (m > 1 ? 1 : 0)) * ps_r;
-            const float *p2 = pb + (r0 + (m > 2 ? 2 : 0)) * ps_r;
-            const float *p3 = pb + (r0 + (m > 3 ? 3 : 0)) * ps_r;
+            const float *p0, *p1, *p2, *p3;
+            const int m = four_rows(pb, ps_r, r0, R, &p0, &p1, &p2, &p3);
             vtile a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int t = 0; t < T; t++) {
                 const uint8_t *row = cb + (int64_t)t * cs_t + byte0;
