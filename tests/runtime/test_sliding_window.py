@@ -62,7 +62,7 @@ def test_geometry_records_layer_types_window_and_rope_bases(gemma, mistral):
     assert isinstance(rope_inv_freq(mistral), tuple)  # one base
 
 
-@pytest.mark.parametrize("attention", ["dequantize", "chunked"])
+@pytest.mark.parametrize("attention", ["dequantize", "chunked", "native"])
 @pytest.mark.parametrize("which", ["gemma", "mistral"])
 def test_full_precision_plan_generates_as_dynamic_cache_past_the_window(which, attention, request):
     """All-16-bit plan: the cache frees what the window no longer needs and still generates exactly
@@ -101,7 +101,7 @@ def _storage_bytes(layer) -> int:
     return n
 
 
-@pytest.mark.parametrize("attention", ["dequantize", "chunked"])
+@pytest.mark.parametrize("attention", ["dequantize", "chunked", "native"])
 def test_quantized_cache_bytes_are_the_plans_at_every_length(gemma, attention):
     """Prefill past the window, then one token at a time: at every length the cache's bytes are
     plans.accounting's (cache.bpv() == plan.bpv() exactly), sliding layers hold between window - 1
