@@ -137,6 +137,9 @@ class ChunkedPieces:
         """``acc [B, h, R, D] += probs [B, h, R, C] @ v`` of the piece's values as stored."""
         acc.add_(torch.matmul(probs, _dequantized(piece, self.scratch)))
 
+    def finish(self) -> None:
+        """Nothing is queued here: every piece is done when its call returns."""
+
 
 def chunked_decode_attention(
     q: torch.Tensor,
@@ -193,6 +196,7 @@ def packed_attention(q, key_blocks, value_blocks, key_residual, value_residual, 
             reader.key_scores(piece, qg[:, h0:h1], None if q_rot is None else q_rot[:, h0:h1],
                               scores[:, h0:h1, :, pos + a : pos + b])
         pos += blocks[0].length
+    reader.finish()  # a reader may queue its pieces' work (the native one, on threads)
     if T_res:
         torch.matmul(qg, key_residual.float().transpose(-1, -2), out=scores[..., pos:])
     if attn_mask is not None:
@@ -223,6 +227,7 @@ def packed_attention(q, key_blocks, value_blocks, key_residual, value_residual, 
                 acc = out_h
             reader.value_add(piece, probs[:, h0:h1, :, pos + a : pos + b], acc[:, h0:h1])
         pos += blocks[0].length
+    reader.finish()
     if T_res:
         out.add_(torch.matmul(probs[..., pos:], value_residual.float()))
     if out_h is not None:

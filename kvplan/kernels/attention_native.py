@@ -21,13 +21,15 @@ block, all its tokens at once:
   frame and rotated once by the driver.
 
 Full-precision blocks (16-bit slots) are read by the same torch product as in the chunked kernel.
-Head dims up to :data:`MAX_HEAD_DIM` (the C tiles are stack arrays).
+Head dims up to :data:`MAX_HEAD_DIM` (the C tiles are stack arrays). With ``torch.get_num_threads()``
+above 1, long runs are split into token chunks run on that many threads (:class:`NativePieces`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -83,11 +85,32 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+# a head run of at least this many token-heads (x batch) is split over torch's intra-op threads
+MIN_TOKENS_PER_THREAD = 2048
+
+_POOL: list = [None, 0]  # (ThreadPoolExecutor, its size)
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    if _POOL[1] != n:
+        if _POOL[0] is not None:
+            _POOL[0].shutdown(wait=False)
+        _POOL[0], _POOL[1] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvplan-native"), n
+    return _POOL[0]
+
+
 class NativePieces:
-    """How :func:`packed_attention` reads packed blocks in the native kernel (one C call per head run)."""
+    """How :func:`packed_attention` reads packed blocks in the native kernel: one C call per head
+    run, or -- with ``torch.get_num_threads() > 1`` and a long run -- one per token chunk (whole
+    token groups), run on a thread pool (ctypes releases the GIL during a call). The calls of one
+    phase are queued and run by :meth:`finish`; everything they read is prepared on the calling
+    thread (tables grown, scales converted), so the workers only run C loops on disjoint outputs
+    (values: each chunk into its own partial sum, added in order afterwards)."""
 
     def __init__(self, lib):
         self.lib = lib
+        self.threads = max(1, torch.get_num_threads())
+        self.queue = []  # (call, partial sum or None, its target)
 
     @staticmethod
     def pieces(blocks, B: int, D: int):
@@ -108,6 +131,16 @@ class NativePieces:
                         return torch.matmul(qg, rot.hadamard)
                     return qg if rot.hadamard is None else qg * (1.0 / math.sqrt(qg.shape[-1]))
         return None
+
+    def _chunks(self, piece):
+        """``(a, b, part)``: the whole run, or token chunks of whole groups for the thread pool."""
+        size = piece.length * len(piece.heads) * piece.codes.shape[0]
+        n = min(self.threads, size // MIN_TOKENS_PER_THREAD)
+        if n <= 1:
+            return [(0, piece.length, piece)]
+        g = piece.group_size
+        chunk = -(-piece.length // (n * g)) * g
+        return list(piece.token_chunks(chunk))
 
     def _run_args(self, piece):
         """The C arguments describing one packed run: shapes, codes, level table, scales."""
@@ -133,43 +166,74 @@ class NativePieces:
         return args, keep
 
     def key_scores(self, piece, qg, q_rot, out) -> None:
-        """Scores of one head run's keys into ``out [B, h, R, T]`` (see the module docstring)."""
+        """Queue the scores of one head run's keys into ``out [B, h, R, T]`` (see the module docstring)."""
         if piece.scale is None:  # full precision
             torch.matmul(qg, piece.codes.float().transpose(-1, -2), out=out)
             return
         rot = piece.rotation
-        q = (qg if rot is None else q_rot).contiguous()
+        q = qg if rot is None else q_rot
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        qu = None if piece.correction is None else torch.matmul(qg, piece.basis)  # [B, h, R, r]
         hadamard = int(rot is not None and rot.inv_freq is not None and rot.hadamard is not None)
-        half, cos_t, sin_t, cs_f = 0, None, None, 0
-        if rot is not None and rot.inv_freq is not None:
-            half = rot.inv_freq.shape[0]
-            cos_t, sin_t = rot.angles_by_pair(piece.position, piece.length)  # [half, T] views
-            cs_f = cos_t.stride(0)
-        args, keep = self._run_args(piece)
-        args[4] = q.shape[2]
-        self.lib.kvp_key_scores(*args, _ptr(q), *q.stride()[:3], hadamard, half, _ptr(cos_t), _ptr(sin_t), cs_f,
-                                _ptr(out), *out.stride()[:3], 0, _uniform(piece))
-        if piece.correction is not None:  # + (q U)·ẑ: the same loop on the r-channel code, added
-            qu = torch.matmul(qg, piece.basis).contiguous()  # [B, h, R, r]
-            cargs, ckeep = self._run_args(piece.correction)
-            cargs[4] = qu.shape[2]
-            self.lib.kvp_key_scores(*cargs, _ptr(qu), *qu.stride()[:3], 0, 0, None, None, 0,
-                                    _ptr(out), *out.stride()[:3], 1, _uniform(piece.correction))
-        del keep
+        half = 0 if rot is None or rot.inv_freq is None else rot.inv_freq.shape[0]
+        if half:
+            rot.angles_by_pair(piece.position, piece.length)  # grow the tables here, not in a worker
+        for a, b, part in self._chunks(piece):
+            cos_t = sin_t = None
+            if half:
+                cos_t, sin_t = rot.angles_by_pair(part.position, part.length)  # [half, T] views
+            args, keep = self._run_args(part)
+            args[4] = q.shape[2]
+            o = out[..., a:b]
+            calls = [(self.lib.kvp_key_scores, [*args, _ptr(q), *q.stride()[:3], hadamard, half, _ptr(cos_t),
+                                                _ptr(sin_t), 0 if cos_t is None else cos_t.stride(0), _ptr(o),
+                                                *o.stride()[:3], 0, _uniform(part)])]
+            if qu is not None:  # + (q U)·ẑ: the same loop on the r-channel code, added after the scores
+                cargs, ckeep = self._run_args(part.correction)
+                cargs[4] = qu.shape[2]
+                keep = (keep, ckeep)
+                calls.append((self.lib.kvp_key_scores, [*cargs, _ptr(qu), *qu.stride()[:3], 0, 0, None, None, 0,
+                                                        _ptr(o), *o.stride()[:3], 1, _uniform(part.correction)]))
+            self.queue.append((calls, (keep, q, qu, cos_t, sin_t, o), None, None))
 
     def value_add(self, piece, probs, acc) -> None:
-        """``acc [B, h, R, D] += probs [B, h, R, T] @ v`` of one head run's values as stored."""
+        """Queue ``acc [B, h, R, D] += probs [B, h, R, T] @ v`` of one head run's values as stored."""
         if piece.scale is None:
             acc.add_(torch.matmul(probs, piece.codes.float()))
             return
-        args, keep = self._run_args(piece)
-        args[4] = probs.shape[2]
         if probs.stride(-1) != 1:
             probs = probs.contiguous()
         levels = _levels(piece.bits, piece.fmt)
-        self.lib.kvp_value_accum(*args, _ptr(probs), *probs.stride()[:3], _ptr(acc), *acc.stride()[:3], _ptr(levels),
-                                 _uniform(piece))
-        del keep
+        chunks = self._chunks(piece)
+        for a, b, part in chunks:
+            args, keep = self._run_args(part)
+            args[4] = probs.shape[2]
+            p = probs[..., a:b]
+            target = acc if len(chunks) == 1 else torch.zeros_like(acc)
+            call = (self.lib.kvp_value_accum, [*args, _ptr(p), *p.stride()[:3], _ptr(target), *target.stride()[:3],
+                                               _ptr(levels), _uniform(part)])
+            self.queue.append(([call], (keep, p, levels), None if target is acc else target, acc))
+
+    def finish(self) -> None:
+        """Run the queued calls (on the thread pool when there are several), then add the values'
+        partial sums in queue order."""
+        queue, self.queue = self.queue, []
+        if not queue:
+            return
+
+        def run(calls):
+            for fn, args in calls:
+                fn(*args)
+
+        if self.threads > 1 and len(queue) > 1:
+            for f in [_pool(self.threads).submit(run, calls) for calls, *_ in queue]:
+                f.result()
+        else:
+            for calls, *_ in queue:
+                run(calls)
+        for _, _, partial, target in queue:
+            if partial is not None:
+                target.add_(partial)
 
 
 def native_decode_attention(

@@ -146,3 +146,37 @@ def test_build_is_cached_on_disk(monkeypatch, tmp_path):
         assert not [p for p in (tmp_path / "native").iterdir() if p.suffix == ".so" and p not in built]
     finally:
         native_build.native_library.cache_clear()
+
+
+@pytest.mark.parametrize("codec", ["H+rope+corr", "plain"])
+def test_threads_split_runs_into_token_chunks(codec, monkeypatch):
+    """With several torch threads a long run is split into token chunks (whole groups) run on a
+    thread pool; the result is the reference's, as with one thread."""
+    from kvplan.kernels import attention_native
+
+    monkeypatch.setattr(attention_native, "MIN_TOKENS_PER_THREAD", 16)
+    D, B, Hkv, T, group = 64, 2, 3, 301, 32
+    rot = Rotation(hadamard_matrix(D), _inv_freq(D)) if codec != "plain" else None
+    basis = torch.linalg.qr(torch.randn(Hkv, D, D, generator=torch.Generator().manual_seed(1)))[0][..., :2]
+    k = rand((B, Hkv, T, D), torch.float32, seed=3)
+    v = rand((B, Hkv, T, D), torch.float32, seed=4, scale=0.5)
+    fmt = Format(2, "absmax-e4m3", default_codebook(2, "absmax-e4m3", 32))
+    kb = [[PackedBlock.encode(k[:, :2], (0, 1), 2, "channel", group, 5, basis[:2].contiguous() if rot else None,
+                              rotation=rot),
+           PackedBlock.encode(k[:, 2:], (2,), 4, "channel", group, 5, rotation=rot)]]
+    vb = [[PackedBlock.encode(v, (0, 1, 2), 2, "token", group, 5, fmt=fmt,
+                              rotation=None if rot is None else Rotation(hadamard_matrix(D)))]]
+    q = rand((B, Hkv * 3, 1, D), torch.float32, seed=5, scale=0.5)
+    ref = reference_decode_attention(q, kb, vb, None, None)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native_decode_attention(q, kb, vb, None, None)
+        torch.set_num_threads(3)
+        reader = attention_native.NativePieces(native_build.native_library())
+        assert len(reader._chunks(kb[0][0])) == 3  # the run is split
+        many = native_decode_attention(q, kb, vb, None, None)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(one, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(many, one, atol=1e-6, rtol=1e-6)
