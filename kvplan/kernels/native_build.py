@@ -77,8 +77,12 @@ def native_library() -> ctypes.CDLL:
     folder = _cache_dir()
     target = folder / f"attention_cpu-{key}.so"
     if not target.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        except OSError as e:
+            raise NativeUnavailable(f"cannot write the build folder {folder} ({e.strerror}); set KVPLAN_CACHE_DIR "
+                                    "to a writable folder") from None
         os.close(fd)
         try:
             done = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,

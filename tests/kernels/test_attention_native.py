@@ -180,3 +180,15 @@ def test_threads_split_runs_into_token_chunks(codec, monkeypatch):
         torch.set_num_threads(before)
     torch.testing.assert_close(one, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(many, one, atol=1e-6, rtol=1e-6)
+
+
+def test_unwritable_build_folder_is_said(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVPLAN_CACHE_DIR", str(blocker))  # a file: no folder can be made under it
+    native_build.native_library.cache_clear()
+    try:
+        with pytest.raises(native_build.NativeUnavailable, match="cannot write the build folder .*KVPLAN_CACHE_DIR"):
+            native_build.native_library()
+    finally:
+        native_build.native_library.cache_clear()
