@@ -49,9 +49,6 @@ def native_supports(head_dim: int) -> str | None:
     return None
 
 
-_LUTS: dict = {}
-
-
 @functools.lru_cache(maxsize=None)
 def _levels(bits: int, fmt) -> torch.Tensor:
     """fp32 ``L [2**bits]``: the level of each code (the codes themselves for uniform min-max)."""
@@ -59,21 +56,16 @@ def _levels(bits: int, fmt) -> torch.Tensor:
     return (torch.arange(1 << bits, dtype=torch.float32) if levels is None else levels).contiguous()
 
 
+@functools.lru_cache(maxsize=None)
 def _byte_lut(bits: int, fmt) -> torch.Tensor:
     """fp32 level table the C loops read codes through: per byte value the levels of the codes
     it packs (2 bits: ``[256, 4]``, 4: ``[256, 2]``, 8: ``[256]``), or the 8 levels (3 bits)."""
-    key = (bits, fmt)
-    if key not in _LUTS:
-        levels = _levels(bits, fmt)
-        if bits == 3:
-            lut = levels
-        else:
-            per_byte = 8 // bits
-            b = torch.arange(256)
-            codes = torch.stack([(b >> (j * bits)) & ((1 << bits) - 1) for j in range(per_byte)], dim=-1)
-            lut = levels[codes]
-        _LUTS[key] = lut.contiguous()
-    return _LUTS[key]
+    levels = _levels(bits, fmt)
+    if bits == 3:
+        return levels
+    b = torch.arange(256)
+    codes = torch.stack([(b >> (j * bits)) & ((1 << bits) - 1) for j in range(8 // bits)], dim=-1)
+    return levels[codes].contiguous()
 
 
 def _uniform(piece) -> int:
