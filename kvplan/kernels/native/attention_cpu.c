@@ -7,19 +7,22 @@
  * here as fp32 (the caller converts the stored fp16 / e4m3), channel axis [B, h, n_groups, D]
  * (groups of `group` tokens, the first token at `start_offset` inside its group), token axis
  * [B, h, T, D / group] (groups of `group` channels). Decoded value = zero + scale * L[code],
- * L given per byte value by `lut` (see byte_levels below), zero = NULL for symmetric formats.
+ * L given per byte value by `lut` (see row_levels below), zero = NULL for symmetric formats.
  *
  * Keys (kvp_key_scores): TILE tokens at a time are decoded into a channel-major tile
- * x[D][TILE], so every later pass is a plain loop over TILE tokens that the compiler
- * vectorizes: the unnormalized fast Walsh-Hadamard transform (log2 D butterfly passes; the
- * caller folds 1/sqrt(D) into the query), RoPE on the rotate-half pairs (i, i + half) at the
- * tokens' own angles (the caller passes the cos / sin tables transposed, [half][T]), then the
- * dot products with the R query rows. Post-RoPE keys never exist beyond one tile.
+ * x[D][TILE] (uniform channel-axis codes by a byte transpose, tile_uniform_channel; others one
+ * value at a time), so every later pass is a plain vector operation over TILE tokens: the
+ * unnormalized fast Walsh-Hadamard transform (log2 D butterfly passes; the caller folds
+ * 1/sqrt(D) into the query), RoPE on the rotate-half pairs (i, i + half) at the tokens' own
+ * angles (the caller passes the cos / sin tables transposed, [half][T]), then the dot products
+ * with the query rows, four at a time. Post-RoPE keys never exist beyond one tile.
  *
- * Values (kvp_value_accum): one token at a time, decoded into a row v[D], then
- * acc[r][:] += p[r][t] * v[:] for the R rows (vectorized over D).
+ * Values (kvp_value_accum): token axis at 2 / 4 bits, TILE channels of every token at a time
+ * with the sums of four query rows in registers (values_lanes); otherwise one token at a time,
+ * decoded into a row v[D], then acc[r][:] += p[r][t] * v[:].
  *
- * Single-threaded; no allocation (stack buffers of at most MAX_D channels).
+ * One call runs on one thread (the caller splits long runs over threads); no allocation (stack
+ * buffers of at most MAX_D channels).
  */
 #include <stdint.h>
 #include <string.h>
