@@ -129,8 +129,9 @@ def native_unavailable(head_dim: int | None = None) -> str | None:
     from .attention_native import native_supports
     from .native_build import NativeUnavailable, native_library
 
-    if head_dim is not None and native_supports(head_dim) is not None:
-        return native_supports(head_dim)
+    why = None if head_dim is None else native_supports(head_dim)
+    if why is not None:
+        return why
     try:
         native_library()
     except NativeUnavailable as e:

@@ -134,8 +134,9 @@ class NativePieces:
         chunk = -(-piece.length // (n * g)) * g
         return list(piece.token_chunks(chunk))
 
-    def _run_args(self, piece):
-        """The C arguments describing one packed run: shapes, codes, level table, scales."""
+    def _run_args(self, piece, rows: int):
+        """The C arguments describing one packed run read by ``rows`` query rows: shapes, codes,
+        level table, scales."""
         if piece.bits not in _SUPPORTED_BITS:
             raise ValueError(f"the native kernel reads {_SUPPORTED_BITS}-bit codes, not {piece.bits}")
         if piece.head_dim > MAX_HEAD_DIM:
@@ -153,7 +154,7 @@ class NativePieces:
         group = piece.group_size if channel else piece.head_dim // scale.shape[-1]
         lut = _byte_lut(piece.bits, piece.fmt)
         keep = (codes, scale, zero, lut)  # alive until the call returns
-        args = [B, h, T, piece.head_dim, None, _ptr(codes), *codes.stride()[:3], piece.bits, _ptr(lut), _ptr(scale),
+        args = [B, h, T, piece.head_dim, rows, _ptr(codes), *codes.stride()[:3], piece.bits, _ptr(lut), _ptr(scale),
                 _ptr(zero), *scale.stride()[:3], int(channel), group, piece.start_offset]
         return args, keep
 
@@ -174,15 +175,13 @@ class NativePieces:
             cos_t = sin_t = None
             if half:
                 cos_t, sin_t = rot.angles_by_pair(part.position, part.length)  # [half, T] views
-            args, keep = self._run_args(part)
-            args[4] = q.shape[2]
+            args, keep = self._run_args(part, q.shape[2])
             o = out[..., a:b]
             calls = [(self.lib.kvp_key_scores, [*args, _ptr(q), *q.stride()[:3], hadamard, half, _ptr(cos_t),
                                                 _ptr(sin_t), 0 if cos_t is None else cos_t.stride(0), _ptr(o),
                                                 *o.stride()[:3], 0, _uniform(part)])]
             if qu is not None:  # + (q U)·ẑ: the same loop on the r-channel code, added after the scores
-                cargs, ckeep = self._run_args(part.correction)
-                cargs[4] = qu.shape[2]
+                cargs, ckeep = self._run_args(part.correction, qu.shape[2])
                 keep = (keep, ckeep)
                 calls.append((self.lib.kvp_key_scores, [*cargs, _ptr(qu), *qu.stride()[:3], 0, 0, None, None, 0,
                                                         _ptr(o), *o.stride()[:3], 1, _uniform(part.correction)]))
@@ -198,8 +197,7 @@ class NativePieces:
         levels = _levels(piece.bits, piece.fmt)
         chunks = self._chunks(piece)
         for a, b, part in chunks:
-            args, keep = self._run_args(part)
-            args[4] = probs.shape[2]
+            args, keep = self._run_args(part, probs.shape[2])
             p = probs[..., a:b]
             target = acc if len(chunks) == 1 else torch.zeros_like(acc)
             call = (self.lib.kvp_value_accum, [*args, _ptr(p), *p.stride()[:3], _ptr(target), *target.stride()[:3],
