@@ -74,6 +74,8 @@ def _cmd_search(args) -> int:
     extra = {}
     if args.sink_lengths is not None:
         extra["sink_lengths"] = tuple(args.sink_lengths)
+    if args.recent_lengths is not None:
+        extra["recent_lengths"] = tuple(args.recent_lengths)
     if args.head_profile is not None:
         extra["profile_head_units"] = args.head_profile
     if args.no_profile:
@@ -277,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantize keys as the model caches them (after RoPE) instead of rotated back to the "
                         "pre-RoPE frame")
     from .kernels.formats import SCALINGS
-    from .search.space import DEFAULT_FORMATS
+    from .search.space import DEFAULT_FORMATS, DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS
 
     for kind in ("key", "value"):
         s.add_argument(f"--{kind}-scaling", choices=sorted(SCALINGS), default=None,
@@ -286,10 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--codebooks", choices=["none", "k", "v", "k,v"], default=None,
                    help="kinds coded with Lloyd-Max levels instead of uniform ones (default: "
                         f"{','.join(DEFAULT_FORMATS['codebooks']) or 'none'})")
-    s.add_argument("--residual-bits", type=int, choices=[4, 8, 16], default=16,
+    s.add_argument("--residual-bits", type=int, choices=[4, 8, 16], default=DEFAULT_RESIDUAL_BITS,
                    help="how plans hold the newest tokens not committed yet (the residual window and the group "
-                        "still filling) after their first forward: 16 = as written (default), 8 / 4 = per-token "
-                        "codes until the group commits (flattens the bpv between group boundaries)")
+                        "still filling) and the recent copies after their first forward: 16 = as written, 8 / 4 = "
+                        f"per-token codes until the group commits (default {DEFAULT_RESIDUAL_BITS}; flattens the bpv "
+                        "between group boundaries)")
+    s.add_argument("--recent-lengths", type=int, nargs="+", default=None, metavar="N",
+                   help="choices for the number of newest committed tokens that keep a copy at the residual's "
+                        "precision, read instead of their slot codes (default: "
+                        f"{' '.join(map(str, DEFAULT_RECENT_LENGTHS))}; 0 = none)")
     s.add_argument("--out", default="plan.yaml", help="plan file to write (atomically); history saved beside it")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=_cmd_search)

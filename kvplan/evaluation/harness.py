@@ -334,7 +334,7 @@ def build_plan_cache(model, plan: Plan, prepared: PreparedSample) -> KVPlanCache
 
 def full_precision_bytes(cache: KVPlanCache) -> int:
     """Bytes ``cache`` holds in the model dtype: committed 16-bit (unquantized) slots and the residual
-    tokens held as written (all of them, unless ``quantizer.residual_bits`` codes them)."""
+    tokens and recent copies held as written (all of them, unless ``quantizer.residual_bits`` codes them)."""
     n = 0
     for layer in cache.layers:
         for kind in KINDS:
@@ -342,9 +342,9 @@ def full_precision_bytes(cache: KVPlanCache) -> int:
                 for block in seg.blocks:
                     if block.bits == FULL_PRECISION_BITS:
                         n += block.codes.nbytes
-            residual = getattr(layer, "residual", {}).get(kind)
-            if residual is not None:
-                n += residual.fresh.nbytes
+            for held in (getattr(layer, "residual", {}).get(kind), getattr(layer, "recent", {}).get(kind)):
+                if held is not None:  # the residual and the recent copies (quantizer.recent_length)
+                    n += held.fresh.nbytes
     return n
 
 

@@ -116,7 +116,8 @@ def curve_lengths(plan: Plan, extra: Sequence[int] = (), max_len: int = CURVE_MA
 
 def _plain_quantizer(q) -> str:
     rb = "" if q.residual_bits == 16 else f", residual {q.residual_bits}-bit"
-    return f"g{q.group_size}, r{q.residual_length}, s{q.sink_length}{rb}"
+    rc = f", {q.recent_length} recent copies" if q.recent_length else ""
+    return f"g{q.group_size}, r{q.residual_length}, s{q.sink_length}{rb}{rc}"
 
 
 def bpv_curve(plan: Plan, extra: Sequence[int] = ()) -> dict[str, Any]:
@@ -243,7 +244,8 @@ def _importance(hist: TrialHistory, mods, shape, seed: int) -> dict[str, Any]:
     from ..surrogates import component_importance, importance_from_history
     from ._direction import slot_direction
 
-    q_fields = {k: hist.quantizer[k] for k in ("group_size", "residual_length", "key_axis", "sink_length")}
+    q_fields = {k: hist.quantizer[k] for k in ("group_size", "residual_length", "key_axis", "sink_length",
+                                               "recent_length")}
     imp = importance_from_history(hist.codes, q_fields, hist.kl, mods, seed=seed)
     comp = component_importance(imp, shape, mods)
     top_slots = dict(sorted(comp["slot"].items(), key=lambda kv: -kv[1])[:15])

@@ -65,6 +65,10 @@ def _header(rep: dict, L: list[str]) -> None:
     L.append(f"quantizer: group {q['group_size']}, keys per {q['key_axis']}, values per {q['value_axis']}; the "
              f"{q['residual_length']} newest tokens and a group still filling wait uncommitted, held {held}; the "
              f"first {q.get('sink_length', 0)} (attention-sink) tokens stay at full precision")
+    if q.get("recent_length"):
+        L.append(f"recent copies: the {q['recent_length']} newest committed tokens also keep their residual form "
+                 f"({'full precision' if rb == 16 else f'{rb}-bit per-token codes'}), read instead of their slot codes "
+                 "until newer tokens commit (counted as residual bytes)")
     if q.get("key_correction_rank"):
         L.append(f"key correction: key slots marked 'correct' also store a rank-{q['key_correction_rank']} "
                  f"{q['key_correction_bits']}-bit code of their error in per-head query bases learned on the "

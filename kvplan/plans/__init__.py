@@ -13,7 +13,7 @@ from ._files import atomic_write_text
 from ._keybasis import KeyBasis
 from ._plan import Plan
 from .accounting import (BpvBreakdown, committed_length, label_runs, layout_labels, plan_bpv, plan_bytes,
-                         stored_runs)
+                         recent_tokens, stored_runs)
 from .baselines import BASELINES, KVTUNER_PAIRS, baseline_plan, headguard_plan, layerwise_plan, uniform_plan
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "layout_labels",
     "plan_bpv",
     "plan_bytes",
+    "recent_tokens",
     "split_codes",
     "stored_runs",
     "uniform_plan",

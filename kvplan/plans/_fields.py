@@ -44,6 +44,12 @@ class QuantizerSettings:
     # window and the group still filling) is held once a token's first forward is over: 16 = as
     # written (the model's dtype), 8 / 4 = per-token v1 codes (groups of channels along head_dim)
     residual_bits: int = FULL_PRECISION_BITS
+    # schema version 4: the newest ``recent_length`` committed tokens (never a sink position) also keep
+    # a copy at the residual's precision, which every read uses instead of their slot codes: the
+    # tokens the next queries attend to most stay sharp right after their group commits. The copies
+    # are dropped as newer tokens commit (the slot codes stay: nothing is quantized twice); counted
+    # as residual bytes (plans.accounting.recent_tokens)
+    recent_length: int = 0
 
     def __post_init__(self):
         check_choice(self.group_size, "quantizer.group_size", GROUP_SIZES)
@@ -60,6 +66,7 @@ class QuantizerSettings:
         check_choice(self.key_scaling, "quantizer.key_scaling", tuple(SCALINGS))
         check_choice(self.value_scaling, "quantizer.value_scaling", tuple(SCALINGS))
         check_choice(self.residual_bits, "quantizer.residual_bits", RESIDUAL_BITS)
+        check_int(self.recent_length, "quantizer.recent_length", 0, MAX_TOKENS)
         object.__setattr__(self, "codebooks", _codebooks(self.codebooks, self))
         if self.key_correction_rank and self.key_axis != "channel":
             raise PlanError("quantizer.key_correction_rank", "needs key_axis 'channel' (the correction code shares "

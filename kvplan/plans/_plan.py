@@ -186,6 +186,7 @@ class Plan:
                 **({"codebooks": self.quantizer.codebooks_dict()} if self.quantizer.codebooks else {}),
                 **({"residual_bits": self.quantizer.residual_bits}
                    if self.quantizer.residual_bits != FULL_PRECISION_BITS else {}),
+                **({"recent_length": self.quantizer.recent_length} if self.quantizer.recent_length else {}),
             },
             "bits": {"default": default, "rules": rules},
             "budget": {

@@ -13,6 +13,8 @@ length; the rest stay in the residual. ``C`` is independent of how the tokens ar
 
 The residual (``T - C`` newest tokens) is held as written (``fp_bytes`` per value) or, with
 ``quantizer.residual_bits`` 8 or 4, as per-token v1 codes: ``QuantizerSettings.residual_token_bytes``.
+With ``quantizer.recent_length`` ``W``, the newest committed tokens also keep such a copy
+(:func:`recent_tokens`: at most ``W``, never a sink position or a freed one), counted as residual.
 
 Attention sinks: the first ``S = quantizer.sink_length`` positions of the sequence are
 stored at full precision in every slot when they are committed (:func:`stored_runs`
@@ -57,6 +59,14 @@ def sliding_kept_start(total: int, window: int | None, group_size: int) -> int:
     if window is None or total - (window - 1) <= 0:
         return 0
     return group_size * ((total - (window - 1)) // group_size)
+
+
+def recent_tokens(committed: int, recent_length: int, sink_length: int, kept_start: int = 0) -> int:
+    """Committed tokens that also keep a residual-precision copy (``quantizer.recent_length``): the
+    newest ``recent_length`` of ``[max(sink, kept_start), committed)``; sink positions are full
+    precision already and a sliding layer's freed positions are gone."""
+    lo = max(min(sink_length, committed), kept_start)
+    return max(0, min(recent_length, committed - lo))
 
 
 def _clip_runs(runs, start: int):
@@ -155,7 +165,8 @@ class BpvBreakdown:
     total: float
     payload: float  # packed codes and 16-bit slots
     scales_zeros: float
-    residual: float  # newest tokens not committed yet (full precision, or quantizer.residual_bits)
+    residual: float  # newest tokens not committed yet (full precision, or quantizer.residual_bits), and
+    #                  the copies of the newest committed ones (quantizer.recent_length)
     correction: float = 0.0  # key correction codes with their scales and zero-points
 
     def as_dict(self) -> dict[str, float]:
@@ -200,7 +211,7 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
         # a sliding-window layer stores only from its kept start on (see sliding_kept_start)
         kept = sliding_kept_start(T, geometry.window(layer), q.group_size)
         runs = _clip_runs(all_runs, kept) if kept else all_runs
-        residual_tokens += T - max(C, kept)
+        residual_tokens += T - max(C, kept) + recent_tokens(C, q.recent_length, q.sink_length, kept)
         for head in range(geometry.num_kv_heads):
             for k, kind in enumerate(("k", "v")):
                 for lab, start, length, sink in runs:

@@ -11,6 +11,10 @@ Tokens committed during an ``update`` are returned to that forward pass at full
 precision (their first use, e.g. prefill attention); every later read sees them
 dequantized.
 
+Recent copies (``quantizer.recent_length`` ``W``): when tokens commit, the newest ``W`` committed
+ones keep their residual form (moved, not coded again) in ``KVPlanLayer.recent``, and every read
+uses it instead of their slot codes until newer tokens commit (``plans.accounting.recent_tokens``).
+
 Sliding-window layers (Gemma 3, Mistral, ...) free the whole token groups that fell out of
 their window (see :class:`KVPlanLayer`), so their bytes follow what the model can still attend
 to; the attention mask gets the kept range from ``get_mask_sizes``.
@@ -29,7 +33,7 @@ from ..models.geometry import Geometry
 from ..kernels import FULL_PRECISION_BITS
 from ..kernels.rotation import Rotation, hadamard_matrix
 from ..plans import KINDS, Plan, committed_length, split_codes, stored_runs
-from ..plans.accounting import sliding_kept_start
+from ..plans.accounting import recent_tokens, sliding_kept_start
 from .fused import MAX_FUSED_QUERY, mark_pending
 from .storage import PackedBlock, Residual, Segment
 
@@ -78,6 +82,8 @@ class KVPlanLayer(CacheLayerMixin):
                 self.head_groups[kind][mod] = sorted((b, tuple(hs)) for b, hs in groups.items())
         self.segments: dict[str, list[Segment]] = {"k": [], "v": []}
         self.residual: dict[str, Residual | None] = {"k": None, "v": None}  # [B, H_kv, T_res, D] each
+        # copies of the newest committed tokens [committed - n_recent, committed) (quantizer.recent_length)
+        self.recent: dict[str, Residual | None] = {"k": None, "v": None}
         self.residual_labels: list[str] = []
         self.committed = 0
         self.key_basis: torch.Tensor | None = None  # [H_kv, D, r] fp32 when the plan corrects keys
@@ -98,6 +104,8 @@ class KVPlanLayer(CacheLayerMixin):
         q = self.owner.plan.quantizer
         self.residual = {kind: Residual(q.residual_bits, q.group_size, x[:, :, :0].to(self.dtype))
                          for kind, x in (("k", key_states), ("v", value_states))}
+        self.recent = {kind: Residual(q.residual_bits, q.group_size, x[:, :, :0].to(self.dtype))
+                       for kind, x in (("k", key_states), ("v", value_states))}
         basis = self.owner.plan.key_basis
         # key correction basis of this layer: fp32 [H_kv, D, r] on the cache's device
         self.key_basis = (None if basis is None else
@@ -130,8 +138,9 @@ class KVPlanLayer(CacheLayerMixin):
         self.residual["k"].append(key_states.to(self.dtype))
         self.residual["v"].append(value_states.to(self.dtype))
         if packed:
-            # the fused attention reads the packed segments itself and commits afterwards
-            keys, values = self.residual["k"].read(), self.residual["v"].read()
+            # the fused attention reads the packed segments itself (up to the recent copies,
+            # packed_segments) and commits afterwards
+            keys, values = self._dense_tail("k"), self._dense_tail("v")
             mark_pending(keys, self)
             return keys, values
         first = self._visible_start(start)  # what get_mask_sizes told the mask (``start`` tokens before)
@@ -181,6 +190,7 @@ class KVPlanLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.segments = {"k": [], "v": []}
         self.residual = {"k": None, "v": None}
+        self.recent = {"k": None, "v": None}
         self.residual_labels = []
         self.committed = 0
         self.dropped = 0
@@ -207,6 +217,7 @@ class KVPlanLayer(CacheLayerMixin):
             return
         for kind in KINDS:
             self.residual[kind].map_tensors(fn)
+            self.recent[kind].map_tensors(fn)
             for seg in self.segments[kind]:
                 for block in seg.blocks:
                     block.map_tensors(fn)
@@ -250,8 +261,30 @@ class KVPlanLayer(CacheLayerMixin):
             for block in seg.blocks:
                 for h0, h1, run in block.head_runs():  # contiguous heads: views, no temporary
                     run.decode_into(rows[:, h0:h1])
+        n_rec = self.recent[kind].length
+        if n_rec:  # the newest committed tokens read from their copies
+            out[:, :, self.committed - base - n_rec : self.committed - base].copy_(self.recent[kind].read())
         out[:, :, self.committed - base :].copy_(res)
         return out if first == base else out[:, :, first - base :].contiguous()
+
+    def _dense_tail(self, kind: str) -> torch.Tensor:
+        """What the fused kernels get dense: the recent copies then the residual, ``[B, H_kv, n, D]``."""
+        res = self.residual[kind].read()
+        if not self.recent[kind].length:
+            return res
+        return torch.cat([self.recent[kind].read(), res], dim=-2)
+
+    def packed_segments(self, kind: str) -> list[list[PackedBlock]]:
+        """Each segment's blocks for the fused kernels: committed positions up to the recent copies
+        (which :meth:`_dense_tail` hands over dense), in order."""
+        end = self.committed - self.recent[kind].length
+        out = []
+        for seg in self.segments[kind]:
+            if seg.start >= end:
+                break
+            n = min(seg.length, end - seg.start)
+            out.append(seg.blocks if n == seg.length else [b.token_range(0, n) for b in seg.blocks])
+        return out
 
     def _commit(self, free: bool = True) -> None:
         """Quantize the tokens that are due (``plans.accounting.committed_length``) and append them;
@@ -279,6 +312,15 @@ class KVPlanLayer(CacheLayerMixin):
             self._commit_oldest(target)
         for kind in KINDS:
             self.residual[kind].seal()
+            self.recent[kind].seal()
+
+    def _trim_recent(self) -> None:
+        """Keep the copies of the newest ``recent_length`` committed tokens only
+        (``plans.accounting.recent_tokens``: never a sink position or a freed one)."""
+        q = self.owner.plan.quantizer
+        keep = recent_tokens(self.committed, q.recent_length, q.sink_length, self.dropped)
+        for kind in KINDS:
+            self.recent[kind].drop_oldest(self.recent[kind].length - keep)
 
     def _commit_oldest(self, target: int) -> None:
         """Quantize residual tokens ``[committed, target)`` into segments (see :meth:`_commit`)."""
@@ -323,11 +365,14 @@ class KVPlanLayer(CacheLayerMixin):
                     segs[-1].length += length
                 else:
                     segs.append(Segment(label, start, length, blocks))
+            if q.recent_length:  # the newest committed tokens keep their residual form (moved)
+                self.recent[kind].push(*self.residual[kind].parts(max(0, n - q.recent_length), n))
             # keep only the uncommitted tail (copied, so the committed tokens' bytes are freed; the
             # residual holds at most residual_length + group_size tokens: O(1) per step)
             self.residual[kind].drop_oldest(n)
         del self.residual_labels[:n]
         self.committed = target
+        self._trim_recent()
 
     def _free_before(self, kept: int) -> None:
         """Free every stored token before position ``kept`` (a group boundary): residual tokens
@@ -356,6 +401,7 @@ class KVPlanLayer(CacheLayerMixin):
                 segs.append(seg)
             self.segments[kind] = segs
         self.dropped = kept
+        self._trim_recent()
 
     def stored_length(self) -> int:
         """Positions this layer holds (``T`` for a full layer; the kept window for a sliding one)."""
@@ -367,7 +413,7 @@ class KVPlanLayer(CacheLayerMixin):
         if not self.is_initialized:
             return parts
         for kind in KINDS:
-            parts["residual"] += self.residual[kind].nbytes
+            parts["residual"] += self.residual[kind].nbytes + self.recent[kind].nbytes
             for seg in self.segments[kind]:
                 for block in seg.blocks:
                     for k, v in block.nbytes_parts().items():

@@ -40,8 +40,8 @@ def kvplan_packed_attention(module, query, key, value, attention_mask, scaling=N
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    key_blocks = [seg.blocks for seg in layer.segments["k"]]
-    value_blocks = [seg.blocks for seg in layer.segments["v"]]
+    key_blocks = layer.packed_segments("k")
+    value_blocks = layer.packed_segments("v")
     mask = attention_mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(torch.float32)

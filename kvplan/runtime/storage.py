@@ -341,6 +341,26 @@ class Residual:
             return self.sealed.token_range(0, n).decode(self.fresh.dtype)
         return torch.cat([self.sealed.decode(self.fresh.dtype), self.fresh[:, :, : n - m]], dim=-2)
 
+    def parts(self, a: int, b: int) -> tuple[PackedBlock | None, torch.Tensor]:
+        """Tokens ``a .. b - 1`` (oldest first) as stored: ``(their codes or None, the uncoded ones
+        [B, H_kv, n, D])``, views."""
+        m = 0 if self.sealed is None else self.sealed.length
+        sealed = self.sealed.token_range(a, min(b, m)) if a < min(b, m) else None
+        return sealed, self.fresh[:, :, max(a - m, 0) : max(b - m, 0)]
+
+    def push(self, sealed: PackedBlock | None, fresh: torch.Tensor) -> None:
+        """Add tokens newer than every held one, as another holder stored them (:meth:`parts`):
+        codes are copied, never coded again."""
+        if sealed is not None:
+            if self.fresh.shape[-2]:
+                raise ValueError("coded tokens cannot follow uncoded ones in a residual")
+            if self.sealed is None:
+                self.sealed = self._copied(replace(sealed))
+            else:
+                self.sealed.append(sealed)
+        if fresh.shape[-2]:
+            self.fresh = torch.cat([self.fresh, fresh], dim=-2)
+
     def drop_oldest(self, n: int) -> None:
         """Forget the ``n`` oldest tokens (committed, or freed by a sliding window); copies what is
         left so the dropped bytes are released."""

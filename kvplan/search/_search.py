@@ -61,7 +61,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -88,8 +88,8 @@ from .budget import (
 from .key_basis import query_basis
 from .sensitivity import DEFAULT_HEAD_UNITS, correction_factor, run_profile, slot_sensitivity
 from .space import (DEFAULT_BITS, DEFAULT_FORMATS, DEFAULT_GROUP_SIZES, DEFAULT_KEY_AXES, DEFAULT_KEY_CORRECTION_RANK,
-                    DEFAULT_RESIDUAL_LENGTHS,
-                    DEFAULT_SINK_LENGTHS, SearchSpace)
+                    DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS, DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_LENGTHS,
+                    SearchSpace)
 from ..errors import describe
 from ..plans._files import sidecar_paths, write_file_set  # noqa: F401 -- sidecar_paths is public here
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
@@ -186,7 +186,7 @@ def _pick_on_validation(candidates: list, validation_scorer, evaluate_params) ->
 
 def _key(levels, q) -> tuple:
     return (q.group_size, q.key_axis, q.value_axis, q.residual_length, q.sink_length,
-            tuple(int(x) for x in levels))
+            tuple(int(x) for x in levels)) + ((q.recent_length,) if q.recent_length else ())
 
 
 # ----------------------------------------------------------------------------- the search
@@ -255,7 +255,8 @@ class _Searcher:
         return self.features.transform(
             tables, [q.group_size for _, q in items], [q.residual_length for _, q in items],
             [q.key_axis for _, q in items], [self.model.bpv(lv, q) for lv, q in items],
-            [self.prior(lv) for lv, _ in items], sink_lengths=[q.sink_length for _, q in items])
+            [self.prior(lv) for lv, _ in items], sink_lengths=[q.sink_length for _, q in items],
+            recent_lengths=[q.recent_length for _, q in items])
 
     # ---------------------------------------------------------------- seeds
     def enqueue_seeds(self, include_baselines: bool) -> int:
@@ -267,6 +268,8 @@ class _Searcher:
             for q in self.model.feasible_quantizers(b):
                 if self.profile is not None:
                     seeds.append((knapsack_seed(self.model, q, b, self.damage), q, f"knapsack@{b:g}"))
+                if q.recent_length != self.space.recent_lengths[0]:
+                    continue  # recent copies: the knapsack weighs them against slot bits; no greedy seed
                 top = np.array([g.n_levels - 1 for g in self.space.groups])
                 lv, q2, _ = repair(self.model, top, q, b, self.damage)
                 if q2 == q:
@@ -274,6 +277,8 @@ class _Searcher:
         if include_baselines:
             bits = self.space.bits
             for q in self.model.feasible_quantizers(self.budget):
+                if q.recent_length != self.space.recent_lengths[0]:
+                    continue  # reference points of the codec alone: recent copies are the search's to weigh
                 fits = []
                 for kb in bits:
                     for vb in bits:
@@ -428,6 +433,10 @@ class _Searcher:
             if self.rng.random() < 0.1 and len(self.space.quantizers()) > 1:
                 qs = self.model.feasible_quantizers(self.budget)
                 q = qs[int(self.rng.integers(len(qs)))]
+            elif self.rng.random() < 0.1 and len(self.space.recent_lengths) > 1:
+                # a neighbour in recent copies alone (repair pays for more copies with slot bits)
+                q = replace(q, recent_length=int(self.rng.choice(
+                    [w for w in self.space.recent_lengths if w != q.recent_length])))
             lv, q, _ = repair(self.model, lv, q, self.budget, self.damage)
             out.append((lv, q))
         return out
@@ -566,7 +575,7 @@ def _trial_rows(space: SearchSpace, trials, run_id: str = "") -> list[dict]:
         row = {"number": t.number, "source": t.user_attrs.get("kvplan.source", ""), "kl": t.values[0],
                "bpv": t.user_attrs.get("kvplan.bpv"), "group_size": q.group_size, "key_axis": q.key_axis,
                "value_axis": q.value_axis, "residual_length": q.residual_length,
-               "sink_length": q.sink_length, "pred_log_kl": t.user_attrs.get("kvplan.pred_log_kl", "")}
+               "sink_length": q.sink_length, "recent_length": q.recent_length, "pred_log_kl": t.user_attrs.get("kvplan.pred_log_kl", "")}
         for k in ("nll", "accuracy", "kl_se"):
             row[k] = m.get(k, "")
         row.update(host=who.get("host", ""), pid=who.get("pid", ""), run_id=run_id)
@@ -576,7 +585,7 @@ def _trial_rows(space: SearchSpace, trials, run_id: str = "") -> list[dict]:
 
 
 HISTORY_COLUMNS = ["number", "source", "kl", "bpv", "group_size", "key_axis", "value_axis", "residual_length",
-                   "sink_length", "pred_log_kl", "nll", "accuracy", "kl_se", "host", "pid", "run_id", "bits"]
+                   "sink_length", "recent_length", "pred_log_kl", "nll", "accuracy", "kl_se", "host", "pid", "run_id", "bits"]
 
 
 def history_text(space: SearchSpace, trials, run_id: str = "") -> str:
@@ -617,7 +626,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            sink_lengths: Sequence[int] = DEFAULT_SINK_LENGTHS, key_correction_rank: int | None = None,
            key_correction_bits: int = 4, rotation: str | None = None, key_pre_rope: bool | None = None,
            key_scaling: str | None = None, value_scaling: str | None = None, codebooks: Sequence[str] | None = None,
-           residual_bits: int = FULL_PRECISION_BITS, pareto: bool = False, profile: bool | Mapping[str, float] = True,
+           residual_bits: int = DEFAULT_RESIDUAL_BITS, recent_lengths: Sequence[int] = DEFAULT_RECENT_LENGTHS,
+           pareto: bool = False, profile: bool | Mapping[str, float] = True,
            profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
            surrogate_offset: bool = True,
            n_candidates: int = 4, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
@@ -657,8 +667,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     formats of every searched plan (:mod:`kvplan.kernels.formats`: ``"minmax-fp16"``,
     ``"minmax-e4m3"``, ``"absmax-e4m3"``; ``codebooks`` the kinds, of ``"k"`` / ``"v"``, coded with
     Lloyd-Max levels); ``None``: ``DEFAULT_FORMATS``. ``residual_bits``: how every searched plan holds
-    its residual (``quantizer.residual_bits``: 16 as written, 8 / 4 per-token codes until the group
-    commits; it shapes the bpv between group boundaries, and the scores wherever residual tokens are read).
+    its residual and recent copies (``quantizer.residual_bits``: 16 as written, 8 / 4 per-token codes until
+    the group commits; it shapes the bpv between group boundaries, and the scores wherever residual tokens
+    are read; default ``DEFAULT_RESIDUAL_BITS``). ``recent_lengths``: choices of ``quantizer.recent_length``
+    (the newest committed tokens keep a residual-precision copy that reads use; paid in bpv).
 
     ``surrogate``: screen candidates with the random forest (``False``: every proposal is
     evaluated). ``surrogate_offset``: the forest learns log-KL minus the log of the profile's
@@ -751,7 +763,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                            sink_lengths=sink_lengths, key_basis=key_basis, key_correction_bits=key_correction_bits,
                            rotation=rotation, rope_inv_freq=inv_freq if key_pre_rope else None,
                            key_scaling=key_scaling, value_scaling=value_scaling, codebooks=codebooks,
-                           labelling=labelling_name, residual_bits=residual_bits)
+                           labelling=labelling_name, residual_bits=residual_bits, recent_lengths=recent_lengths)
 
     BpvModel(make_space(None), reference).check_budget(min(budgets))  # before any study or basis work
     data_hash = getattr(scorer, "data_hash", None)
@@ -793,7 +805,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                   "key_pre_rope": bool(key_pre_rope), "key_scaling": key_scaling, "value_scaling": value_scaling,
                   "codebooks": list(codebooks),
                   # only when set: studies made before the field existed stay joinable
-                  **({"residual_bits": residual_bits} if residual_bits != FULL_PRECISION_BITS else {})}})
+                  **({"residual_bits": residual_bits} if residual_bits != FULL_PRECISION_BITS else {}),
+                  **({"recent_lengths": sorted(set(recent_lengths))} if tuple(recent_lengths) != (0,) else {})}})
     _check_identity(study, identity, study_name, label)
     owner = {**owner_attrs(), "worker": worker, "data_hash": data_hash}
     hb = Heartbeat(st)

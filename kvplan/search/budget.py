@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import KVPlanError
 from ..kernels.qtypes import FULL_PRECISION_BITS
 from ..plans import QuantizerSettings, Reference, committed_length, split_codes, stored_runs
-from ..plans.accounting import _clip_runs, correction_bytes, run_bytes, sliding_kept_start, stored_tokens
+from ..plans.accounting import _clip_runs, correction_bytes, recent_tokens, run_bytes, sliding_kept_start, stored_tokens
 from .space import Q_FIELDS, SearchSpace
 
 EPS = 1e-9
@@ -137,7 +137,9 @@ class BpvModel:
         # their kept start on
         fp_bytes = self.reference.full_precision_bits // 8
         kept_starts = self._kept_starts(q)
-        residual_positions = sum(T - max(C, kept) for kept in kept_starts)
+        # ... and the copies of its newest committed tokens (quantizer.recent_length), held like the residual
+        residual_positions = sum(T - max(C, kept) + recent_tokens(C, q.recent_length, q.sink_length, kept)
+                                 for kept in kept_starts)
         sink_positions = sum(max(0, min(q.sink_length, C) - kept) for kept in kept_starts)
         const = 8.0 * (residual_positions * q.residual_token_bytes(g.head_dim, fp_bytes)
                        + sink_positions * g.head_dim * fp_bytes) * g.num_kv_heads * 2 / self.n_values(q)
@@ -214,7 +216,7 @@ def closest_feasible_quantizer(model: BpvModel, q: QuantizerSettings, budget: fl
         model.check_budget(budget)
     def rank(c):
         changed = sum(getattr(c, f) != getattr(q, f) for f in Q_FIELDS.values())
-        return (changed, -model.floor(c), c.group_size, c.residual_length, c.sink_length)
+        return (changed, -model.floor(c), c.group_size, c.residual_length, c.sink_length, c.recent_length)
     return min(feas, key=rank)
 
 

@@ -13,8 +13,9 @@ Granularities:
   (:data:`kvplan.plans.KVTUNER_PAIRS`), ordered by cost.
 
 The plan-wide quantizer fields (group size, key axis, residual length, attention-sink
-length) are searched as categorical parameters ``q.group_size`` / ``q.key_axis`` /
-``q.residual_length`` / ``q.sink_length`` when more than one choice is given, otherwise fixed.
+length, recent copies) are searched as categorical parameters ``q.group_size`` / ``q.key_axis`` /
+``q.residual_length`` / ``q.sink_length`` / ``q.recent_length`` when more than one choice is given,
+otherwise fixed.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ DEFAULT_RESIDUAL_LENGTHS = (0, 32, 128)
 DEFAULT_KEY_AXES = ("channel",)
 # first tokens kept at full precision: none, the attention sink (BOS / first token), a few
 DEFAULT_SINK_LENGTHS = (0, 1, 4)
+# newest committed tokens that keep a residual-precision copy (quantizer.recent_length): none, 8, 16.
+# On the validation split the recorded 2.5 bpv plan (0.0350 KL) reads 0.0267 with 8 copies and
+# 0.0235 with 16 at 8-bit residual codes (+0.13 / +0.27 bpv at 512 tokens), 0.0353 with 16 4-bit ones
+# (bench/results/recent_tokens.md): the search weighs them against slot bits
+DEFAULT_RECENT_LENGTHS = (0, 8, 16)
+# how searched plans hold residual tokens and recent copies: 8-bit per-token codes. On validation
+# they read as the as-written tokens do (600 tokens: 0.01824 vs 0.01826 KL) at half the bytes and
+# less (bench/results/residual_bits.md); 4-bit codes doubled the KL
+DEFAULT_RESIDUAL_BITS = 8
 # rank of the HeadQ-style key correction the search offers for key slots at the lowest bits (0 = off);
 # chosen on the validation split: the default search at 2.5 bpv reached validation KL 0.0679 with rank 2
 # vs 0.0776 with rank 0 (bench/results/key_correction_rank/; ranks 1 and 4 not re-run on validation)
@@ -55,7 +65,7 @@ DEFAULT_KEY_CORRECTION_RANK = 2
 DEFAULT_FORMATS = {"key_scaling": "minmax-fp16", "value_scaling": "absmax-e4m3", "codebooks": ("v",)}
 # searched parameter name -> QuantizerSettings field
 Q_FIELDS = {"q.group_size": "group_size", "q.key_axis": "key_axis", "q.residual_length": "residual_length",
-            "q.sink_length": "sink_length"}
+            "q.sink_length": "sink_length", "q.recent_length": "recent_length"}
 Q_PARAMS = tuple(Q_FIELDS)
 
 
@@ -85,7 +95,8 @@ class SearchSpace:
                  key_basis=None, key_correction_bits: int = 4, rotation: str = "none",
                  rope_inv_freq: Sequence[float] | None = None, key_scaling: str = "minmax-fp16",
                  value_scaling: str = "minmax-fp16", codebooks: Sequence[str] = (),
-                 labelling: str = TOKEN_IDS_NAME, residual_bits: int = FULL_PRECISION_BITS):
+                 labelling: str = TOKEN_IDS_NAME, residual_bits: int = FULL_PRECISION_BITS,
+                 recent_lengths: Sequence[int] = (0,)):
         if granularity not in GRANULARITIES:
             raise KVPlanError(f"granularity {granularity!r} is not one of {list(GRANULARITIES)}")
         bits = tuple(sorted(set(int(b) for b in bits)))
@@ -96,7 +107,8 @@ class SearchSpace:
                                                                                 ("channel", "token"))):
             if not vals or any(v not in allowed for v in vals):
                 raise KVPlanError(f"{name} {list(vals)} must be a non-empty subset of {list(allowed)}")
-        for name, vals in (("residual_lengths", residual_lengths), ("sink_lengths", sink_lengths)):
+        for name, vals in (("residual_lengths", residual_lengths), ("sink_lengths", sink_lengths),
+                           ("recent_lengths", recent_lengths)):
             if not vals or any((not isinstance(r, int)) or isinstance(r, bool) or r < 0 for r in vals):
                 raise KVPlanError(f"{name} {list(vals)} must be non-negative integers")
         self.geometry = geometry
@@ -107,6 +119,7 @@ class SearchSpace:
         self.group_sizes = tuple(sorted(set(group_sizes)))
         self.residual_lengths = tuple(sorted(set(residual_lengths)))
         self.sink_lengths = tuple(sorted(set(sink_lengths)))
+        self.recent_lengths = tuple(sorted(set(recent_lengths)))
         self.key_axes = tuple(dict.fromkeys(key_axes))
         self.value_axis = value_axis
         self.pairs = tuple(sorted({tuple(p) for p in pairs}, key=lambda p: (p[0] + p[1], p[0])))
@@ -184,7 +197,8 @@ class SearchSpace:
     @property
     def q_choices(self) -> dict[str, tuple]:
         return {"q.group_size": self.group_sizes, "q.key_axis": self.key_axes,
-                "q.residual_length": self.residual_lengths, "q.sink_length": self.sink_lengths}
+                "q.residual_length": self.residual_lengths, "q.sink_length": self.sink_lengths,
+                "q.recent_length": self.recent_lengths}
 
     def codebooks_for(self, group_size: int, key_axis: str) -> tuple:
         """The plan constant ``quantizer.codebooks`` at this group size: Lloyd-Max levels
@@ -202,9 +216,10 @@ class SearchSpace:
     def quantizers(self) -> list[QuantizerSettings]:
         """Every plan-wide quantizer setting the space allows."""
         return [QuantizerSettings(group_size=g, key_axis=a, value_axis=self.value_axis, residual_length=r,
-                                  sink_length=s, codebooks=self.codebooks_for(g, a), **self.fixed_fields)
-                for g, a, r, s in itertools.product(self.group_sizes, self.key_axes, self.residual_lengths,
-                                                    self.sink_lengths)]
+                                  sink_length=s, recent_length=w, codebooks=self.codebooks_for(g, a),
+                                  **self.fixed_fields)
+                for g, a, r, s, w in itertools.product(self.group_sizes, self.key_axes, self.residual_lengths,
+                                                       self.sink_lengths, self.recent_lengths)]
 
     def distributions(self) -> dict[str, BaseDistribution]:
         """Optuna distributions: ``IntDistribution`` levels per group, categorical quantizer fields."""
@@ -294,6 +309,7 @@ class SearchSpace:
                             "value_scaling": self.fixed_fields["value_scaling"],
                             "codebooks": list(self.codebook_kinds)},
                 "residual_bits": self.fixed_fields["residual_bits"],
+                **({"recent_lengths": list(self.recent_lengths)} if self.recent_lengths != (0,) else {}),
                 "value_axis": self.value_axis, "modalities": list(self.modalities), "shape": list(self.shape),
                 "n_params": len(self.distributions()), "pairs": [list(p) for p in self.pairs]}
 
@@ -306,5 +322,5 @@ class SearchSpace:
     def __repr__(self) -> str:
         return (f"SearchSpace(granularity={self.granularity!r}, groups={len(self.groups)}, bits={self.bits}, "
                 f"group_sizes={self.group_sizes}, residual_lengths={self.residual_lengths}, "
-                f"sink_lengths={self.sink_lengths}, "
+                f"sink_lengths={self.sink_lengths}, recent_lengths={self.recent_lengths}, "
                 f"key_axes={self.key_axes})")

@@ -7,7 +7,7 @@ every width; a key slot with the key correction adds ``CORRECTION_FEATURE`` (see
 - ``slot:L03.H1.k.doc``   one per slot of the table;
 - ``mean:k`` / ``mean:v``, ``mean:<modality>``, ``mean:k.<modality>``, ``layer:L03``,
   ``layer:L03.k``;
-- ``q.group_size`` (log2), ``q.residual_length``, ``q.key_axis_channel``, ``q.sink_length``;
+- ``q.group_size`` (log2), ``q.residual_length``, ``q.key_axis_channel``, ``q.sink_length``, ``q.recent_length``;
 - ``bpv`` (honest, at the reference) and, when a sensitivity prior is given,
   ``prior:log_damage`` (log of the profile-predicted damage).
 """
@@ -53,15 +53,15 @@ class PlanFeatures:
             names += [f"mean:{k}.{m}" for k in KINDS for m in self.modalities]
         names += [f"layer:L{l:02d}" for l in range(L)]
         names += [f"layer:L{l:02d}.{k}" for l in range(L) for k in KINDS]
-        names += ["q.group_size", "q.residual_length", "q.key_axis_channel", "q.sink_length", "bpv"]
+        names += ["q.group_size", "q.residual_length", "q.key_axis_channel", "q.sink_length", "q.recent_length", "bpv"]
         if with_prior:
             names.append("prior:log_damage")
         self.names = names
 
     def transform(self, tables: np.ndarray, group_sizes, residual_lengths, key_axes, bpv,
-                  prior_damage=None, sink_lengths=None) -> np.ndarray:
-        """``tables``: int ``[N, L, H, 2, M]``; the rest length-N sequences (``sink_lengths``
-        defaults to 0). Returns float ``[N, F]``."""
+                  prior_damage=None, sink_lengths=None, recent_lengths=None) -> np.ndarray:
+        """``tables``: int ``[N, L, H, 2, M]``; the rest length-N sequences (``sink_lengths`` and
+        ``recent_lengths`` default to 0). Returns float ``[N, F]``."""
         t = bits_feature(tables)
         N = t.shape[0]
         L, H, _, M = self.shape
@@ -76,6 +76,7 @@ class PlanFeatures:
         cols.append(np.asarray(residual_lengths, dtype=np.float64)[:, None])
         cols.append((np.asarray(key_axes) == "channel").astype(np.float64)[:, None])
         cols.append(np.asarray(sink_lengths if sink_lengths is not None else np.zeros(N), dtype=np.float64)[:, None])
+        cols.append(np.asarray(recent_lengths if recent_lengths is not None else np.zeros(N), dtype=np.float64)[:, None])
         cols.append(np.asarray(bpv, dtype=np.float64)[:, None])
         if self.with_prior:
             pd = np.asarray(prior_damage if prior_damage is not None else np.ones(N), dtype=np.float64)

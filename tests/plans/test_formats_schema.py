@@ -32,7 +32,8 @@ def test_round_trip_keeps_formats(tmp_path):
     path = tmp_path / "p.yaml"
     plan.to_yaml(path)
     doc = yaml.safe_load(path.read_text())
-    assert doc["schema_version"] == 3 and "residual_bits" not in doc["quantizer"]  # 16: the default, not written
+    assert doc["schema_version"] == 4 and "residual_bits" not in doc["quantizer"]  # 16: the default, not written
+    assert "recent_length" not in doc["quantizer"]  # 0: the default, not written
     assert doc["quantizer"]["value_scaling"] == "absmax-e4m3"
     assert doc["quantizer"]["codebooks"]["v"][3] == list(default_codebook(3, "absmax-e4m3", 16))
     back = Plan.from_yaml(path)
@@ -54,7 +55,8 @@ def test_version_1_file_migrates_to_v1_formats(tmp_path):
     assert old.quantizer.v1_formats and old.quantizer.format("k", 2).legacy
     assert old.quantizer.residual_bits == 16
     assert old.bpv() == plan.bpv()
-    assert old.to_dict()["schema_version"] == 3
+    assert old.quantizer.recent_length == 0
+    assert old.to_dict()["schema_version"] == 4
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -94,6 +96,43 @@ def test_version_2_file_with_residual_bits_is_refused(tmp_path):
         Plan.from_yaml(path)
 
 
+def test_recent_length_round_trips_and_a_version_3_file_with_it_is_refused(tmp_path):
+    base = uniform_plan(GEOM, 2, 2, group_size=32, residual_length=0)
+    plan = base.replace(quantizer=dataclasses.replace(base.quantizer, residual_bits=8, recent_length=16))
+    path = tmp_path / "p.yaml"
+    plan.to_yaml(path)
+    doc = yaml.safe_load(path.read_text())
+    assert doc["schema_version"] == 4 and doc["quantizer"]["recent_length"] == 16
+    back = Plan.from_yaml(path)
+    assert back.quantizer == plan.quantizer and back.bpv() == plan.bpv()
+    doc["schema_version"] = 3
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=r"quantizer\.recent_length: needs schema_version 4 \(the file says 3\)"):
+        Plan.from_yaml(path)
+    doc["schema_version"] = 4
+    doc["quantizer"]["recent_length"] = -1
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=r"quantizer\.recent_length"):
+        Plan.from_yaml(path)
+
+
+def test_recent_copies_are_counted_as_residual_bytes():
+    """The newest ``recent_length`` committed tokens (never a sink position) cost one residual token each."""
+    base = uniform_plan(GEOM, 2, 2, group_size=32, residual_length=0)
+    q = dataclasses.replace(base.quantizer, residual_bits=8, recent_length=16, sink_length=1)
+    plan = base.replace(quantizer=q)
+    ref = base.replace(quantizer=dataclasses.replace(q, recent_length=0))
+    D = GEOM.head_dim
+    per_token = q.residual_token_bytes(D, 2)
+    for T, copies in ((10, 0), (32, 16), (300, 16), (17, 0)):
+        extra = plan.bpv(context_len=T).residual - ref.bpv(context_len=T).residual
+        assert extra == pytest.approx(8 * copies * per_token / (T * D)), T
+    # only 31 committed tokens after the sink: 16 copies; with 40 copies asked, 31
+    wide = base.replace(quantizer=dataclasses.replace(q, recent_length=40))
+    assert wide.bpv(context_len=32).residual - ref.bpv(context_len=32).residual == pytest.approx(
+        8 * 31 * per_token / (32 * D))
+
+
 def test_version_1_file_with_version_2_keys_is_refused(tmp_path):
     doc = _formats_plan().to_dict()
     doc["schema_version"] = 1
@@ -103,7 +142,7 @@ def test_version_1_file_with_version_2_keys_is_refused(tmp_path):
         Plan.from_yaml(path)
 
 
-@pytest.mark.parametrize("reader", [1, 2])
+@pytest.mark.parametrize("reader", [1, 2, 3])
 def test_an_older_reader_says_newer_schema(tmp_path, monkeypatch, reader):
     path = tmp_path / "p.yaml"
     _formats_plan().to_yaml(path)

@@ -70,7 +70,10 @@ def test_parse_budget_rejects(bad):
 
 FORMAT_SPACES = {"v1": {}, "formats": {"key_scaling": "minmax-e4m3", "value_scaling": "absmax-e4m3",
                                        "codebooks": ("k", "v")},
-                 "residual8": {"residual_bits": 8}, "residual4": {"residual_bits": 4}}
+                 "residual8": {"residual_bits": 8}, "residual4": {"residual_bits": 4},
+                 # copies of the newest committed tokens: fewer than, as many as and more than the
+                 # committed tokens after a sink (the reference commits 384 or 256 of 512)
+                 "recent": {"residual_bits": 8, "recent_lengths": (0, 5, 300, 600)}}
 
 
 @pytest.mark.parametrize("formats", list(FORMAT_SPACES))
@@ -79,13 +82,15 @@ def test_bpv_model_equals_accounting(granularity, formats):
     # sink lengths inside the first group, across a group and across the text/doc boundary (64)
     sp = SearchSpace(GEOM, MODS, granularity, key_axes=("channel", "token"), sink_lengths=(0, 3, 70),
                      **FORMAT_SPACES[formats])
+    if formats == "recent":
+        assert {q.recent_length for q in sp.quantizers()} == {0, 5, 300, 600}
     if formats.startswith("residual"):  # the residual (up to 128 + 127 tokens at this reference) is coded
         assert all(q.residual_bits == FORMAT_SPACES[formats]["residual_bits"] for q in sp.quantizers())
         plain = BpvModel(SearchSpace(GEOM, MODS, granularity, key_axes=("channel", "token"),
                                      sink_lengths=(0, 3, 70)), REF)
         q = next(q for q in sp.quantizers() if q.residual_length == 128)
         assert BpvModel(sp, REF).floor(q) < plain.floor(dataclasses.replace(q, residual_bits=16))
-    elif formats != "v1":  # every quantizer of the space carries its formats and group-length codebooks
+    elif formats not in ("v1", "recent"):  # every quantizer of the space carries its formats and group-length codebooks
         assert all(q.value_scaling == "absmax-e4m3" and len(q.codebooks) == 6 for q in sp.quantizers())
         assert all(sp.contains_quantizer(q) for q in sp.quantizers())
     model = BpvModel(sp, REF)
