@@ -74,7 +74,7 @@ from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
 from ..models.modality import TOKEN_IDS_NAME
 from ..models.rope import multimodal_rope, rope_inv_freq
-from ..plans import Plan, Provenance, Reference, atomic_write_text
+from ..plans import Plan, Provenance, QuantizerSettings, Reference, atomic_write_text
 from ..surrogates import ForestSurrogate, PlanFeatures, log_kl
 from .budget import (
     EPS,
@@ -86,7 +86,7 @@ from .budget import (
     repair,
 )
 from .key_basis import query_basis
-from .sensitivity import DEFAULT_HEAD_UNITS, correction_factor, run_profile, slot_sensitivity
+from .sensitivity import DEFAULT_HEAD_UNITS, correction_factor, recent_factor, run_profile, slot_sensitivity
 from .space import (DEFAULT_BITS, DEFAULT_FORMATS, DEFAULT_GROUP_SIZES, DEFAULT_KEY_AXES, DEFAULT_KEY_CORRECTION_RANK,
                     DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS, DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_LENGTHS,
                     SearchSpace)
@@ -212,7 +212,8 @@ class _Searcher:
         self.profile = profile
         self.sens = slot_sensitivity(space, profile)
         self.damage = group_damage(space, self.sens, correction_factor(profile))
-        self.features = PlanFeatures(space.shape, space.modalities, with_prior=profile is not None)
+        self.features = PlanFeatures(space.shape, space.modalities, with_prior=profile is not None,
+                                     with_recent=len(space.recent_lengths) > 1)
         self.n_evals = 0
         self.bar = None
         self.use_prior_offset = prior_offset
@@ -240,22 +241,25 @@ class _Searcher:
     def _key_of_params(self, params):
         return _key(self.space.levels_of(params), self.space.quantizer_of(params))
 
-    def prior(self, levels) -> float:
-        return float(self.damage[np.arange(len(levels)), levels].sum())
+    def prior(self, levels, q: QuantizerSettings | None = None) -> float:
+        """The profile's damage estimate of a plan: the groups' damages at their levels, times the
+        measured factor of its recent copies (``recent_factor``; 1 without a quantizer)."""
+        damage = float(self.damage[np.arange(len(levels)), levels].sum())
+        return damage if q is None else damage * recent_factor(self.profile, q.recent_length)
 
     def _offset(self, items: list[tuple[np.ndarray, Any]]) -> np.ndarray | None:
         """The surrogate's baseline: log of the profile's additive damage estimate (``None``
         without a profile); the forest learns the rest (see :class:`ForestSurrogate`)."""
         if self.profile is None or not self.use_prior_offset:
             return None
-        return np.log(np.maximum([self.prior(lv) for lv, _ in items], 1e-12))
+        return np.log(np.maximum([self.prior(lv, q) for lv, q in items], 1e-12))
 
     def _features(self, items: list[tuple[np.ndarray, Any]]) -> np.ndarray:
         tables = np.stack([self.space.table_of_levels(lv) for lv, _ in items])
         return self.features.transform(
             tables, [q.group_size for _, q in items], [q.residual_length for _, q in items],
             [q.key_axis for _, q in items], [self.model.bpv(lv, q) for lv, q in items],
-            [self.prior(lv) for lv, _ in items], sink_lengths=[q.sink_length for _, q in items],
+            [self.prior(lv, q) for lv, q in items], sink_lengths=[q.sink_length for _, q in items],
             recent_lengths=[q.recent_length for _, q in items])
 
     # ---------------------------------------------------------------- seeds
@@ -433,7 +437,7 @@ class _Searcher:
             if self.rng.random() < 0.1 and len(self.space.quantizers()) > 1:
                 qs = self.model.feasible_quantizers(self.budget)
                 q = qs[int(self.rng.integers(len(qs)))]
-            elif self.rng.random() < 0.1 and len(self.space.recent_lengths) > 1:
+            elif len(self.space.recent_lengths) > 1 and self.rng.random() < 0.1:
                 # a neighbour in recent copies alone (repair pays for more copies with slot bits)
                 q = replace(q, recent_length=int(self.rng.choice(
                     [w for w in self.space.recent_lengths if w != q.recent_length])))

@@ -25,6 +25,7 @@ reuse them instead of measuring again.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Mapping
 
 import numpy as np
@@ -107,7 +108,9 @@ def run_profile(score: Callable[[Plan], Mapping], space: SearchSpace, reference:
     returns name -> mean KL."""
     plans = profile_plans(space, reference)
     n_heads = n_head_units * space.shape[1] if space.granularity == "slot" and space.shape[1] > 1 else 0
-    total = len(plans) + min(n_heads, 2 * space.shape[0] * space.shape[1]) + (2 if space.corrects_keys else 0)
+    n_recent = len(recent_plans(space, reference))
+    total = (len(plans) + min(n_heads, 2 * space.shape[0] * space.shape[1]) + (2 if space.corrects_keys else 0)
+             + n_recent)
     out: dict[str, float] = {}
 
     def measure(batch: Mapping[str, Plan]) -> None:
@@ -120,7 +123,36 @@ def run_profile(score: Callable[[Plan], Mapping], space: SearchSpace, reference:
     measure(_unit_plans(space, reference, head_units(space, out, n_head_units)))
     if space.corrects_keys:
         measure(correction_plans(space, reference))
+    measure(recent_plans(space, reference))
     return out
+
+
+def recent_plans(space: SearchSpace, reference: Reference) -> dict[str, Plan]:
+    """Every slot at the lowest level (keys corrected when the space corrects them) without recent
+    copies (``"lowest"``) and with each of the space's ``recent_lengths`` (``"lowest+recent8"``, ...):
+    their KL ratios are the damage factors of the copies (``recent_factor``). None when the space
+    offers no copies."""
+    if not any(space.recent_lengths):
+        return {}
+    q = profile_quantizer(space)
+    table = np.full(space.shape, space.bits[0], dtype=np.int64)
+    if space.corrects_keys:
+        table[:, :, 0] = space.bits[0] + CORRECTED
+    prov = Provenance(produced_by="kvplan search profile")
+    return {("lowest" if w == 0 else f"lowest+recent{w}"): space.plan_of_table(table, replace(q, recent_length=w),
+                                                                               reference, provenance=prov)
+            for w in sorted({0, *space.recent_lengths})}
+
+
+def recent_factor(profile: Mapping[str, float] | None, recent_length: int) -> float:
+    """Measured damage of a plan with ``recent_length`` copies relative to none (profile entries
+    ``lowest+recent<W>`` / ``lowest``); 1 when not measured (no profile, or no copies)."""
+    if not recent_length or not profile or profile.get("lowest", 0.0) <= 0:
+        return 1.0
+    with_copies = profile.get(f"lowest+recent{recent_length}")
+    if with_copies is None:
+        return 1.0
+    return float(min(1.0, max(with_copies, 0.0) / profile["lowest"]))
 
 
 def correction_plans(space: SearchSpace, reference: Reference) -> dict[str, Plan]:

@@ -44,11 +44,12 @@ DEFAULT_RESIDUAL_LENGTHS = (0, 32, 128)
 DEFAULT_KEY_AXES = ("channel",)
 # first tokens kept at full precision: none, the attention sink (BOS / first token), a few
 DEFAULT_SINK_LENGTHS = (0, 1, 4)
-# newest committed tokens that keep a residual-precision copy (quantizer.recent_length): none, 8, 16.
-# On the validation split the recorded 2.5 bpv plan (0.0350 KL) reads 0.0267 with 8 copies and
-# 0.0235 with 16 at 8-bit residual codes (+0.13 / +0.27 bpv at 512 tokens), 0.0353 with 16 4-bit ones
-# (bench/results/recent_tokens.md): the search weighs them against slot bits
-DEFAULT_RECENT_LENGTHS = (0, 8, 16)
+# newest committed tokens that keep a residual-precision copy (quantizer.recent_length): none by
+# default. On the validation split a fixed plan reads 0.0350 -> 0.0267 KL with 8 copies at 8-bit
+# residual codes (+0.13 bpv at 512 tokens), but paid for with slot bits within 2.5 bpv the same plan
+# reads 0.0415, and a search offered 0 / 8 / 16 copies kept none (bench/results/recent_tokens.md):
+# at a 512-token reference the bits buy more in the slots. `--recent-lengths` offers them.
+DEFAULT_RECENT_LENGTHS = (0,)
 # how searched plans hold residual tokens and recent copies: 8-bit per-token codes. On validation
 # they read as the as-written tokens do (600 tokens: 0.01824 vs 0.01826 KL) at half the bytes and
 # less (bench/results/residual_bits.md); 4-bit codes doubled the KL

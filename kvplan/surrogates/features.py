@@ -7,7 +7,8 @@ every width; a key slot with the key correction adds ``CORRECTION_FEATURE`` (see
 - ``slot:L03.H1.k.doc``   one per slot of the table;
 - ``mean:k`` / ``mean:v``, ``mean:<modality>``, ``mean:k.<modality>``, ``layer:L03``,
   ``layer:L03.k``;
-- ``q.group_size`` (log2), ``q.residual_length``, ``q.key_axis_channel``, ``q.sink_length``, ``q.recent_length``;
+- ``q.group_size`` (log2), ``q.residual_length``, ``q.key_axis_channel``, ``q.sink_length``, ``q.recent_length``
+  (only where the space offers recent copies);
 - ``bpv`` (honest, at the reference) and, when a sensitivity prior is given,
   ``prior:log_damage`` (log of the profile-predicted damage).
 """
@@ -41,10 +42,13 @@ def slot_names(shape, modalities) -> list[str]:
 class PlanFeatures:
     """Turns ``(tables, quantizer fields, bpv, prior)`` into a feature matrix with named columns."""
 
-    def __init__(self, shape, modalities: Sequence[str], with_prior: bool = False):
+    def __init__(self, shape, modalities: Sequence[str], with_prior: bool = False, with_recent: bool = False):
         self.shape = tuple(shape)
         self.modalities = tuple(modalities)
         self.with_prior = with_prior
+        # q.recent_length only where the space offers copies (a constant column would still change
+        # which features each tree samples)
+        self.with_recent = with_recent
         L, H, _, M = self.shape
         names = ["slot:" + n for n in slot_names(self.shape, self.modalities)]
         names += ["mean:k", "mean:v"]
@@ -53,7 +57,8 @@ class PlanFeatures:
             names += [f"mean:{k}.{m}" for k in KINDS for m in self.modalities]
         names += [f"layer:L{l:02d}" for l in range(L)]
         names += [f"layer:L{l:02d}.{k}" for l in range(L) for k in KINDS]
-        names += ["q.group_size", "q.residual_length", "q.key_axis_channel", "q.sink_length", "q.recent_length", "bpv"]
+        names += ["q.group_size", "q.residual_length", "q.key_axis_channel", "q.sink_length"]
+        names += (["q.recent_length"] if with_recent else []) + ["bpv"]
         if with_prior:
             names.append("prior:log_damage")
         self.names = names
@@ -76,7 +81,9 @@ class PlanFeatures:
         cols.append(np.asarray(residual_lengths, dtype=np.float64)[:, None])
         cols.append((np.asarray(key_axes) == "channel").astype(np.float64)[:, None])
         cols.append(np.asarray(sink_lengths if sink_lengths is not None else np.zeros(N), dtype=np.float64)[:, None])
-        cols.append(np.asarray(recent_lengths if recent_lengths is not None else np.zeros(N), dtype=np.float64)[:, None])
+        if self.with_recent:
+            cols.append(np.asarray(recent_lengths if recent_lengths is not None else np.zeros(N),
+                                   dtype=np.float64)[:, None])
         cols.append(np.asarray(bpv, dtype=np.float64)[:, None])
         if self.with_prior:
             pd = np.asarray(prior_damage if prior_damage is not None else np.ones(N), dtype=np.float64)

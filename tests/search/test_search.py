@@ -154,3 +154,20 @@ def test_resume_in_process(tmp_path):
     done = {t.number: t.values[0] for t in r2.study.get_trials(states=(TrialState.COMPLETE,))}
     assert len(done) == 16 and all(done[k] == v for k, v in first.items())
     assert sc.calls == 6  # profile reused from the study, only the missing trials evaluated
+
+
+def test_recent_copies_are_profiled_and_chosen_when_they_pay():
+    """The profile measures what recent copies do to the lowest plan (here: 16 copies halve the KL,
+    8 cut it by a third); the prior carries that factor, so the search finds a plan that pays for
+    copies with slot bits, within the budget as the accounting counts them."""
+    from kvplan.search.sensitivity import recent_factor
+
+    r = search(budget="2.8bpv", n_trials=20, seed=0, scorer=SyntheticScorer(), **{
+        **FAST, "recent_lengths": (0, 8, 16), "residual_bits": 8, "residual_lengths": (0,), "sink_lengths": (0,),
+        "group_sizes": (128,)})
+    assert {"lowest", "lowest+recent8", "lowest+recent16"} <= set(r.profile)
+    assert recent_factor(r.profile, 16) == pytest.approx(0.5)
+    assert recent_factor(r.profile, 8) == pytest.approx(2 / 3)
+    assert recent_factor(r.profile, 0) == 1.0 and recent_factor(None, 16) == 1.0
+    assert r.plan.quantizer.recent_length == 16
+    assert r.plan.bpv().total <= 2.8 + 1e-9 and r.plan.bpv().residual > 0

@@ -32,6 +32,12 @@ def test_features_names_and_values():
     assert X[0, i] == pytest.approx(np.log2(t[0][:, :, 0]).mean())
     assert X[1, f.names.index("q.key_axis_channel")] == 0.0
     assert X[2, f.names.index("bpv")] == 4.0
+    assert "q.recent_length" not in f.names  # a space without recent copies: no constant column
+    g = PlanFeatures(SHAPE, MODS, with_prior=True, with_recent=True)
+    Y = g.transform(t, [32, 64, 128], [0, 0, 128], ["channel", "token", "channel"], [2.5, 3.0, 4.0], [1.0, 2.0, 3.0],
+                    recent_lengths=[0, 8, 16])
+    assert Y.shape == (3, len(f.names) + 1)
+    assert Y[:, g.names.index("q.recent_length")].tolist() == [0.0, 8.0, 16.0]
 
 
 def test_forest_surrogate_learns_and_ranks():
