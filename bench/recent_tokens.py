@@ -42,10 +42,11 @@ ROWS = [(0, 16), (4, 8), (8, 8), (16, 8), (32, 8), (16, 4), (16, 16)]  # (recent
 PAID = [0, 4, 8, 16]  # recent_length, 8-bit copies, within the plan's budget
 
 
-def paid_plan(plan: Plan, profile: dict, recent: int) -> tuple[Plan, int]:
+def paid_plan(plan: Plan, profile: dict, recent: int) -> tuple[Plan | None, int]:
     """``plan`` with ``recent`` 8-bit copies, its slot bits lowered by the search's repair (damage prior
     from the search's ``profile``) until it fits its budget again; returns the plan and the number of
-    slots lowered."""
+    slots lowered; ``(None, 0)`` when the copies alone do not fit the budget with the plan's other
+    settings (its sink tokens at full precision, all slots at the lowest level)."""
     space = SearchSpace(plan.geometry, plan.modalities, "slot", key_basis=plan.key_basis,
                         rotation=plan.quantizer.rotation, rope_inv_freq=plan.rope_inv_freq,
                         key_scaling=plan.quantizer.key_scaling, value_scaling=plan.quantizer.value_scaling,
@@ -57,7 +58,8 @@ def paid_plan(plan: Plan, profile: dict, recent: int) -> tuple[Plan, int]:
     levels = space.levels_of_table(plan.code_table())
     q = dataclasses.replace(plan.quantizer, recent_length=recent, residual_bits=8)
     lv, q2, _ = repair(model, levels, q, plan.target_bpv, damage)
-    assert q2.recent_length == recent, f"{recent} copies do not fit the budget"
+    if q2.recent_length != recent:
+        return None, 0
     return space.plan_of_table(space.table_of_levels(lv), q2, plan.reference), int((lv != levels).sum())
 
 
@@ -100,7 +102,11 @@ def main() -> None:
               "|---:|---:|---:|---:|---|"]
     for recent in PAID:
         p2, lowered = paid_plan(plan, profile, recent)
-        row(str(recent), str(lowered), p2)
+        if p2 is None:
+            lines.append(f"| {recent} | - | - | - | does not fit {plan.target_bpv:g} bpv with this plan's other settings |")
+            print(lines[-1], flush=True)
+        else:
+            row(str(recent), str(lowered), p2)
     lines += ["", f"Wall time {time.time() - t0:.0f} s."]
     atomic_write_text(args.out, "\n".join(lines) + "\n")
 

@@ -44,12 +44,12 @@ DEFAULT_RESIDUAL_LENGTHS = (0, 32, 128)
 DEFAULT_KEY_AXES = ("channel",)
 # first tokens kept at full precision: none, the attention sink (BOS / first token), a few
 DEFAULT_SINK_LENGTHS = (0, 1, 4)
-# newest committed tokens that keep a residual-precision copy (quantizer.recent_length): none by
-# default. On the validation split a fixed plan reads 0.0350 -> 0.0267 KL with 8 copies at 8-bit
-# residual codes (+0.13 bpv at 512 tokens), but paid for with slot bits within 2.5 bpv the same plan
-# reads 0.0415, and a search offered 0 / 8 / 16 copies kept none (bench/results/recent_tokens.md):
-# at a 512-token reference the bits buy more in the slots. `--recent-lengths` offers them.
-DEFAULT_RECENT_LENGTHS = (0,)
+# newest committed tokens that keep a residual-precision copy (quantizer.recent_length), chosen on the
+# validation split (bench/search.md): the default search offered 0 / 4 / 8 copies reached 0.0319
+# validation KL with 4 (0.0359 offered none); 16 copies do not fit 2.5 bpv beside a sink token, and a
+# search offered 0 / 8 / 16 kept none (bench/results/recent_tokens.md: 8 copies paid with slot bits
+# cost more than they bring)
+DEFAULT_RECENT_LENGTHS = (0, 4, 8)
 # how searched plans hold residual tokens and recent copies: 8-bit per-token codes. On validation
 # they read as the as-written tokens do (600 tokens: 0.01824 vs 0.01826 KL) at half the bytes and
 # less (bench/results/residual_bits.md); 4-bit codes doubled the KL
