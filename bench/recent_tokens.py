@@ -96,7 +96,8 @@ def main() -> None:
     for kind, name in ((0, "keys"), (1, "values")):
         t = table.copy()
         t[:, :, kind] = 16
-        row(f"0, every {name[:-1]} slot at full precision (probe)", "-", plan.with_table(t))
+        row(f"{plan.quantizer.recent_length} (the plan's), every {name[:-1]} slot at full precision (probe)", "-",
+            plan.with_table(t))
     lines += ["", f"Copies paid with slot bits (8-bit copies, within the plan's {plan.target_bpv:g} bpv):", "",
               "| recent_length | slots lowered | honest bpv at 512 | residual bpv | validation KL [95% CI] |",
               "|---:|---:|---:|---:|---|"]

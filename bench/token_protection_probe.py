@@ -3,8 +3,8 @@
     python bench/token_protection_probe.py bench/results/search-2.5bpv.yaml
         # -> bench/results/token_protection_probe.md (~3 min)
 
-Not a kvplan feature (the protected tokens' bytes are not counted): each committed block of the
-plan keeps a chosen share of its tokens exact, chosen per (batch row, KV head) at write time from
+Not a kvplan feature (the protected tokens' bytes are not counted): the plan without its recent
+copies (``quantizer.recent_length`` 0), each committed block of which keeps a chosen share of its tokens exact, chosen per (batch row, KV head) at write time from
 what the cache sees -- the tokens' own K (after the plan's rotations) or their position:
 
 * ``key-outlier``: the largest max over channels of ``|k - mean| / std`` (the tokens that stretch a
@@ -21,6 +21,7 @@ statistics (``bench/results/recent_tokens.md`` measures the built feature, bytes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -113,6 +114,7 @@ def main() -> None:
     storage.PackedBlock.head_range = _probe_head_range
     t0 = time.time()
     plan = Plan.from_yaml(args.plan)
+    plan = plan.replace(quantizer=dataclasses.replace(plan.quantizer, recent_length=0))  # its slots alone
     val = task_scorers(n_calibration=1, n_validation=16, n_test=0, progress=False, attention="dequantize").validation
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Token protection probe: validation KL of a fixed plan with some tokens exact", "",
