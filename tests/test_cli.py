@@ -82,7 +82,8 @@ def test_search_then_explain_then_load(tmp_path, smollm2):
                 "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     plan = Plan.from_yaml(out)
-    assert plan.metrics["search"]["n_profile_evals"] == 62  # 30 layers x K/V + keys with/without correction
+    # 30 layers x K/V + keys with/without correction + the lowest plan with 0 / 4 / 8 recent copies
+    assert plan.metrics["search"]["n_profile_evals"] == 65
     assert plan.bpv().total <= 3.5 and plan.target_bpv == 3.5
     assert plan.provenance.produced_by.startswith("kvplan search")
     assert plan.metrics["test"]["kl"] > 0 and plan.metrics["validation"]["kl"] > 0

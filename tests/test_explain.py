@@ -101,8 +101,8 @@ def test_memory_in_user_units(full, searched):
 
 def _hist(sources, sinks, numbers):
     n = len(sources)
-    q = {"group_size": [64] * n, "residual_length": [0] * n, "sink_length": sinks, "key_axis": ["channel"] * n,
-         "value_axis": ["token"] * n}
+    q = {"group_size": [64] * n, "residual_length": [0] * n, "sink_length": sinks, "recent_length": [0] * n,
+         "key_axis": ["channel"] * n, "value_axis": ["token"] * n}
     return TrialHistory("h.csv", np.zeros((n, 1, 1, 2, 1), dtype=np.int64), [0.1] * n, [2.5] * n, sources,
                         numbers, q, n)
 
