@@ -104,7 +104,8 @@ def main() -> None:
     for recent in PAID:
         p2, lowered = paid_plan(plan, profile, recent)
         if p2 is None:
-            lines.append(f"| {recent} | - | - | - | does not fit {plan.target_bpv:g} bpv with this plan's other settings |")
+            why = f"does not fit {plan.target_bpv:g} bpv with this plan's other settings"
+            lines.append(f"| {recent} | - | - | - | {why} |")
             print(lines[-1], flush=True)
         else:
             row(str(recent), str(lowered), p2)

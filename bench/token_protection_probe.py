@@ -4,8 +4,9 @@
         # -> bench/results/token_protection_probe.md (~3 min)
 
 Not a kvplan feature (the protected tokens' bytes are not counted): the plan without its recent
-copies (``quantizer.recent_length`` 0), each committed block of which keeps a chosen share of its tokens exact, chosen per (batch row, KV head) at write time from
-what the cache sees -- the tokens' own K (after the plan's rotations) or their position:
+copies (``quantizer.recent_length`` 0), each committed block of which keeps a chosen share of its
+tokens exact, chosen per (batch row, KV head) at write time from what the cache sees -- the tokens'
+own K (after the plan's rotations) or their position:
 
 * ``key-outlier``: the largest max over channels of ``|k - mean| / std`` (the tokens that stretch a
   channel group's min-max range; kept out of the group: replaced by the mean before coding);
@@ -124,7 +125,8 @@ def main() -> None:
     for kinds, share, select in [("-", 0.0, "-")] + ROWS:
         MODE.update(kinds=kinds, share=share, select=select)
         m = val(plan)
-        lines.append(f"| {kinds} | {share:g} | {select} | {m['kl']:.4f} [{m['kl_ci95_lo']:.4f}, {m['kl_ci95_hi']:.4f}] |")
+        ci = f"[{m['kl_ci95_lo']:.4f}, {m['kl_ci95_hi']:.4f}]"
+        lines.append(f"| {kinds} | {share:g} | {select} | {m['kl']:.4f} {ci} |")
         print(lines[-1], flush=True)
     lines += ["", f"Wall time {time.time() - t0:.0f} s."]
     atomic_write_text(args.out, "\n".join(lines) + "\n")

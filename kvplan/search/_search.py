@@ -579,7 +579,8 @@ def _trial_rows(space: SearchSpace, trials, run_id: str = "") -> list[dict]:
         row = {"number": t.number, "source": t.user_attrs.get("kvplan.source", ""), "kl": t.values[0],
                "bpv": t.user_attrs.get("kvplan.bpv"), "group_size": q.group_size, "key_axis": q.key_axis,
                "value_axis": q.value_axis, "residual_length": q.residual_length,
-               "sink_length": q.sink_length, "recent_length": q.recent_length, "pred_log_kl": t.user_attrs.get("kvplan.pred_log_kl", "")}
+               "sink_length": q.sink_length, "recent_length": q.recent_length,
+               "pred_log_kl": t.user_attrs.get("kvplan.pred_log_kl", "")}
         for k in ("nll", "accuracy", "kl_se"):
             row[k] = m.get(k, "")
         row.update(host=who.get("host", ""), pid=who.get("pid", ""), run_id=run_id)
@@ -589,7 +590,8 @@ def _trial_rows(space: SearchSpace, trials, run_id: str = "") -> list[dict]:
 
 
 HISTORY_COLUMNS = ["number", "source", "kl", "bpv", "group_size", "key_axis", "value_axis", "residual_length",
-                   "sink_length", "recent_length", "pred_log_kl", "nll", "accuracy", "kl_se", "host", "pid", "run_id", "bits"]
+                   "sink_length", "recent_length", "pred_log_kl", "nll", "accuracy", "kl_se", "host", "pid", "run_id",
+                   "bits"]
 
 
 def history_text(space: SearchSpace, trials, run_id: str = "") -> str:
