@@ -28,7 +28,8 @@ from ..plans import CORRECTED, split_codes
 
 MAX_SIDECAR_BYTES = 256 * 2**20  # larger files are refused rather than read into memory
 REQUIRED_COLUMNS = ("kl", "bits")
-QUANTIZER_COLUMNS = ("group_size", "residual_length", "sink_length", "recent_length", "key_axis", "value_axis")
+INT_QUANTIZER_COLUMNS = ("group_size", "residual_length", "sink_length", "recent_length")  # non-negative integers
+QUANTIZER_COLUMNS = (*INT_QUANTIZER_COLUMNS, "key_axis", "value_axis")
 AXES = ("channel", "token")
 
 
@@ -102,7 +103,7 @@ def _row_problem(r: dict, n_slots: int) -> str | None:
     bits, _ = split_codes(codes)
     if (codes < 0).any() or (codes >= 2 * CORRECTED).any() or not np.isin(bits, SUPPORTED_BITS).all():
         return f"bits holds format codes other than {list(SUPPORTED_BITS)} (+{CORRECTED} corrected)"
-    for k in ("group_size", "residual_length", "sink_length", "recent_length"):
+    for k in INT_QUANTIZER_COLUMNS:
         v = r.get(k)
         if v in (None, ""):
             continue
@@ -152,7 +153,7 @@ def read_trials(path: str, shape: tuple[int, ...], warnings: list[str]) -> Trial
         src.append(str(r.get("source") or ""))
         n = number(r.get("number"))
         num.append(int(n) if n is not None and n == int(n) else None)
-        for k in ("group_size", "residual_length", "sink_length", "recent_length"):
+        for k in INT_QUANTIZER_COLUMNS:
             # histories written before a column existed: 0 (sink, recent copies) or unknown
             v = r.get(k)
             quant[k].append(int(float(v)) if v not in (None, "") else 0)

@@ -108,9 +108,9 @@ def run_profile(score: Callable[[Plan], Mapping], space: SearchSpace, reference:
     returns name -> mean KL."""
     plans = profile_plans(space, reference)
     n_heads = n_head_units * space.shape[1] if space.granularity == "slot" and space.shape[1] > 1 else 0
-    n_recent = len(recent_plans(space, reference))
+    recent = recent_plans(space, reference)
     total = (len(plans) + min(n_heads, 2 * space.shape[0] * space.shape[1]) + (2 if space.corrects_keys else 0)
-             + n_recent)
+             + len(recent))
     out: dict[str, float] = {}
 
     def measure(batch: Mapping[str, Plan]) -> None:
@@ -123,7 +123,7 @@ def run_profile(score: Callable[[Plan], Mapping], space: SearchSpace, reference:
     measure(_unit_plans(space, reference, head_units(space, out, n_head_units)))
     if space.corrects_keys:
         measure(correction_plans(space, reference))
-    measure(recent_plans(space, reference))
+    measure(recent)
     return out
 
 
