@@ -51,6 +51,7 @@ def paid_plan(plan: Plan, profile: dict, recent: int) -> tuple[Plan | None, int]
                         rotation=plan.quantizer.rotation, rope_inv_freq=plan.rope_inv_freq,
                         key_scaling=plan.quantizer.key_scaling, value_scaling=plan.quantizer.value_scaling,
                         codebooks=tuple(sorted({k for k, _, _ in plan.quantizer.codebooks})), residual_bits=8,
+                        sink_bits=plan.quantizer.sink_bits,
                         recent_lengths=(0, recent), sink_lengths=(plan.quantizer.sink_length,),
                         group_sizes=(plan.quantizer.group_size,), residual_lengths=(plan.quantizer.residual_length,))
     model = BpvModel(space, plan.reference)

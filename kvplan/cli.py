@@ -62,7 +62,7 @@ def _cmd_search(args) -> int:
     def check_budgets(geometry, reference, modalities):
         """Reject an unreachable budget before any full-precision prefill."""
         bmodel = BpvModel(SearchSpace(geometry, modalities, args.granularity, DEFAULT_BITS,
-                                      residual_bits=args.residual_bits), reference)
+                                      residual_bits=args.residual_bits, sink_bits=args.sink_bits), reference)
         for b in parsed:
             bmodel.check_budget(b)
 
@@ -92,6 +92,7 @@ def _cmd_search(args) -> int:
     if args.codebooks is not None:
         extra["codebooks"] = () if args.codebooks == "none" else tuple(args.codebooks.split(","))
     extra["residual_bits"] = args.residual_bits
+    extra["sink_bits"] = args.sink_bits
     result = search(model=args.model, budget=budgets, granularity=args.granularity, n_trials=args.trials,
                     seed=args.seed, storage=storage, study_name=args.study_name, out=args.out,
                     scorer=scorers.calibration, validation_scorer=scorers.validation, test_scorer=scorers.test,
@@ -260,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pareto", action="store_true", help="multi-objective search (KL vs bpv)")
     s.add_argument("--no-surrogate", action="store_true", help="score every candidate for real (ablation)")
     s.add_argument("--sink-lengths", type=int, nargs="+", default=None, metavar="N",
-                   help="choices for the number of first (attention-sink) tokens kept at full precision "
-                        "(default: 0 1 4)")
+                   help="choices for the number of first (attention-sink) tokens kept apart from the slots "
+                        "(held as --sink-bits says; default: 0 1 4)")
     s.add_argument("--no-profile", action="store_true",
                    help="skip the sensitivity profile (2 evaluations per layer before the trials): faster, "
                         "but the knapsack seed and the surrogate lose its damage prior")
@@ -279,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantize keys as the model caches them (after RoPE) instead of rotated back to the "
                         "pre-RoPE frame")
     from .kernels.formats import SCALINGS
-    from .search.space import DEFAULT_FORMATS, DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS
+    from .search.space import DEFAULT_FORMATS, DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS, DEFAULT_SINK_BITS
 
     for kind in ("key", "value"):
         s.add_argument(f"--{kind}-scaling", choices=sorted(SCALINGS), default=None,
@@ -293,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "still filling) and the recent copies after their first forward: 16 = as written, 8 / 4 = "
                         f"per-token codes until the group commits (default {DEFAULT_RESIDUAL_BITS}; flattens the bpv "
                         "between group boundaries)")
+    s.add_argument("--sink-bits", type=int, choices=[8, 16], default=DEFAULT_SINK_BITS,
+                   help="how plans hold the attention-sink tokens (--sink-lengths): 16 = as written, 8 = per-token "
+                        f"codes in the slots' rotated frame (default {DEFAULT_SINK_BITS})")
     s.add_argument("--recent-lengths", type=int, nargs="+", default=None, metavar="N",
                    help="choices for the number of newest committed tokens that keep a copy at the residual's "
                         "precision, read instead of their slot codes (default: "

@@ -117,7 +117,8 @@ def curve_lengths(plan: Plan, extra: Sequence[int] = (), max_len: int = CURVE_MA
 def _plain_quantizer(q) -> str:
     rb = "" if q.residual_bits == 16 else f", residual {q.residual_bits}-bit"
     rc = f", {q.recent_length} recent copies" if q.recent_length else ""
-    return f"g{q.group_size}, r{q.residual_length}, s{q.sink_length}{rb}{rc}"
+    sb = f" ({q.sink_bits}-bit)" if q.sink_length and q.sink_bits != 16 else ""
+    return f"g{q.group_size}, r{q.residual_length}, s{q.sink_length}{sb}{rb}{rc}"
 
 
 def bpv_curve(plan: Plan, extra: Sequence[int] = ()) -> dict[str, Any]:
@@ -134,7 +135,7 @@ def bpv_curve(plan: Plan, extra: Sequence[int] = ()) -> dict[str, Any]:
         # the plan's slot formats (their scales cost what they cost in the plan) and residual
         u = u.replace(quantizer=dataclasses.replace(u.quantizer, key_scaling=q.key_scaling,
                                                     value_scaling=q.value_scaling, codebooks=q.codebooks,
-                                                    residual_bits=q.residual_bits))
+                                                    residual_bits=q.residual_bits, sink_bits=q.sink_bits))
         series.append({"label": f"uniform int{b} ({_plain_quantizer(q)})",
                        "bpv": [u.bpv(context_len=T).total for T in Ts]})
     ref = plan.reference.context_len

@@ -16,6 +16,8 @@ AXES = ("channel", "token")
 CORRECTION_BITS = (2, 3, 4, 8)
 ROTATIONS = ("none", "hadamard")  # quantizer.rotation (see kvplan.kernels.rotation)
 RESIDUAL_BITS = (4, 8, FULL_PRECISION_BITS)  # quantizer.residual_bits
+SINK_BITS = (8, FULL_PRECISION_BITS)  # quantizer.sink_bits
+SINK_AXIS = "token"  # a coded sink position: per-token groups of channels along head_dim
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,11 @@ class QuantizerSettings:
     # are dropped as newer tokens commit (the slot codes stay: nothing is quantized twice); counted
     # as residual bytes (plans.accounting.recent_tokens)
     recent_length: int = 0
+    # schema version 5: how the committed attention-sink positions (``sink_length``) are held: 16 =
+    # as written (the model's dtype), 8 = per-token v1 codes (groups of channels along head_dim) in
+    # the slots' rotated frame (``rotation``, ``key_pre_rope``): a sink token costs a quarter of an
+    # fp32 one and reads back within 8-bit rounding
+    sink_bits: int = FULL_PRECISION_BITS
 
     def __post_init__(self):
         check_choice(self.group_size, "quantizer.group_size", GROUP_SIZES)
@@ -67,6 +74,7 @@ class QuantizerSettings:
         check_choice(self.value_scaling, "quantizer.value_scaling", tuple(SCALINGS))
         check_choice(self.residual_bits, "quantizer.residual_bits", RESIDUAL_BITS)
         check_int(self.recent_length, "quantizer.recent_length", 0, MAX_TOKENS)
+        check_choice(self.sink_bits, "quantizer.sink_bits", SINK_BITS)
         object.__setattr__(self, "codebooks", _codebooks(self.codebooks, self))
         if self.key_correction_rank and self.key_axis != "channel":
             raise PlanError("quantizer.key_correction_rank", "needs key_axis 'channel' (the correction code shares "
@@ -92,6 +100,17 @@ class QuantizerSettings:
     def residual_token_bytes(self, head_dim: int, fp_bytes: int) -> int:
         """Bytes one residual token takes per KV head and kind (``fp_bytes``: the full-precision storage)."""
         payload, scales = self.residual_format.run_bytes("token", self.group_size, head_dim, 0, 1, fp_bytes)
+        return payload + scales
+
+    @property
+    def sink_format(self) -> Format:
+        """How a committed attention-sink position is held (``sink_bits``; 16: as written), on the
+        :data:`SINK_AXIS`."""
+        return Format(self.sink_bits)
+
+    def sink_token_bytes(self, head_dim: int, fp_bytes: int) -> int:
+        """Bytes one committed sink position takes per KV head and kind."""
+        payload, scales = self.sink_format.run_bytes(SINK_AXIS, self.group_size, head_dim, 0, 1, fp_bytes)
         return payload + scales
 
     def codebook(self, kind: str, bits: int) -> tuple[float, ...] | None:

@@ -30,6 +30,8 @@ _QUANTIZER_V2 = ["key_scaling", "value_scaling", "codebooks"]
 _QUANTIZER_V3 = ["residual_bits"]
 # ... and schema version 4 (residual-precision copies of the newest committed tokens)
 _QUANTIZER_V4 = ["recent_length"]
+# ... and schema version 5 (attention-sink positions held as codes)
+_QUANTIZER_V5 = ["sink_bits"]
 _BPV = ["total", "payload", "scales_zeros", "residual", "correction"]
 
 
@@ -45,8 +47,8 @@ def plan_fields(d) -> dict:
     modalities = check_list(d.get("modalities", [DEFAULT_MODALITY]), "modalities", "names")
     labelling = check_str(d["labelling"], "labelling") if "labelling" in d else TOKEN_IDS_NAME
     q = d.get("quantizer", {})
-    check_keys(q, "quantizer", [], _QUANTIZER + _QUANTIZER_V2 + _QUANTIZER_V3 + _QUANTIZER_V4)
-    for needs, keys in ((2, _QUANTIZER_V2), (3, _QUANTIZER_V3), (4, _QUANTIZER_V4)):
+    check_keys(q, "quantizer", [], _QUANTIZER + _QUANTIZER_V2 + _QUANTIZER_V3 + _QUANTIZER_V4 + _QUANTIZER_V5)
+    for needs, keys in ((2, _QUANTIZER_V2), (3, _QUANTIZER_V3), (4, _QUANTIZER_V4), (5, _QUANTIZER_V5)):
         for k in keys:
             if k in q and version < needs:
                 raise PlanError(f"quantizer.{k}", f"needs schema_version {needs} (the file says {version})",
@@ -90,8 +92,9 @@ def check_stated_bpv(plan, stated) -> None:
 def _schema_version(ver) -> int:
     """The file's schema version: 1 (read with every slot in the v1 format: fp16 min-max scales and
     zero-points, uniform codes), 2 (adds ``quantizer.key_scaling`` / ``value_scaling`` / ``codebooks``)
-    3 (adds ``quantizer.residual_bits``; older files hold their residual at full precision) or 4 (adds
-    ``quantizer.recent_length``; older files keep no copies of committed tokens). Writers
+    3 (adds ``quantizer.residual_bits``; older files hold their residual at full precision), 4 (adds
+    ``quantizer.recent_length``; older files keep no copies of committed tokens) or 5 (adds
+    ``quantizer.sink_bits``; older files hold their sink positions as written). Writers
     always write the newest version."""
     if not is_int(ver):
         raise PlanError("schema_version", "must be an integer", ver)

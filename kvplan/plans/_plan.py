@@ -187,6 +187,8 @@ class Plan:
                 **({"residual_bits": self.quantizer.residual_bits}
                    if self.quantizer.residual_bits != FULL_PRECISION_BITS else {}),
                 **({"recent_length": self.quantizer.recent_length} if self.quantizer.recent_length else {}),
+                **({"sink_bits": self.quantizer.sink_bits}
+                   if self.quantizer.sink_bits != FULL_PRECISION_BITS else {}),
             },
             "bits": {"default": default, "rules": rules},
             "budget": {

@@ -17,8 +17,9 @@ With ``quantizer.recent_length`` ``W``, the newest committed tokens also keep su
 (:func:`recent_tokens`: at most ``W``, never a sink position or a freed one), counted as residual.
 
 Attention sinks: the first ``S = quantizer.sink_length`` positions of the sequence are
-stored at full precision in every slot when they are committed (:func:`stored_runs`
-splits a run at ``S``); they count as 16-bit payload, like a 16-bit slot.
+stored in every slot alike when they are committed (:func:`stored_runs` splits a run at ``S``):
+as written (``quantizer.sink_bits`` 16, counted like a 16-bit slot) or as 8-bit per-token codes
+(``sink_bits`` 8: ``QuantizerSettings.sink_token_bytes``), counted as payload and scales.
 
 Key correction (``quantizer.key_correction_rank = r > 0``): a key run of a corrected slot
 also stores its correction code, ``r`` values per token quantized like channel-axis keys
@@ -40,6 +41,7 @@ from typing import Mapping, Sequence
 from ..kernels.formats import Format
 from ..kernels.qtypes import FULL_PRECISION_BITS
 from ._checks import split_codes
+from ._fields import SINK_AXIS
 
 
 def committed_length(total: int, residual_length: int, group_size: int) -> int:
@@ -215,11 +217,11 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
         for head in range(geometry.num_kv_heads):
             for k, kind in enumerate(("k", "v")):
                 for lab, start, length, sink in runs:
-                    bits = FULL_PRECISION_BITS if sink else int(table[layer, head, k, plan.modalities.index(lab)])
+                    bits = -1 if sink else int(table[layer, head, k, plan.modalities.index(lab)])  # -1: the sink
                     key = (kind, bits, start, length)
                     if key not in run_cost:
-                        run_cost[key] = q.format(kind, bits).run_bytes(q.axis(kind), q.group_size, geometry.head_dim,
-                                                                       start, length, fp_bytes)
+                        fmt, axis = (q.sink_format, SINK_AXIS) if sink else (q.format(kind, bits), q.axis(kind))
+                        run_cost[key] = fmt.run_bytes(axis, q.group_size, geometry.head_dim, start, length, fp_bytes)
                     p, s = run_cost[key]
                     payload += p
                     scales += s

@@ -30,9 +30,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import CacheError, PlanError
 from ..models.geometry import Geometry
-from ..kernels import FULL_PRECISION_BITS
 from ..kernels.rotation import Rotation, hadamard_matrix
 from ..plans import KINDS, Plan, committed_length, split_codes, stored_runs
+from ..plans._fields import SINK_AXIS
 from ..plans.accounting import recent_tokens, sliding_kept_start
 from .fused import MAX_FUSED_QUERY, mark_pending
 from .storage import PackedBlock, Residual, Segment
@@ -341,10 +341,14 @@ class KVPlanLayer(CacheLayerMixin):
             for label, start, length, sink in runs:
                 offset = start - self.committed
                 x = chunk[:, :, offset : offset + length]
-                # attention-sink positions: every head at full precision
-                groups = [(FULL_PRECISION_BITS, all_heads)] if sink else self.head_groups[kind][label]
+                if sink:  # attention-sink positions: every head as quantizer.sink_bits says
+                    blocks = [PackedBlock.encode(x, all_heads, q.sink_bits, SINK_AXIS, q.group_size, start,
+                                                 rotation=self.rotation[kind], range_flag=range_flag,
+                                                 fmt=q.sink_format)]
+                    new[kind].append((label, start, length, blocks))
+                    continue
                 blocks = []
-                for code, heads in groups:
+                for code, heads in self.head_groups[kind][label]:
                     xh = x if len(heads) == x.shape[1] else x[:, list(heads)]
                     bits, corrected = split_codes(code)
                     basis = self.key_basis[list(heads)] if corrected else None

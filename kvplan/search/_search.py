@@ -88,8 +88,8 @@ from .budget import (
 from .key_basis import query_basis
 from .sensitivity import DEFAULT_HEAD_UNITS, correction_factor, recent_factor, run_profile, slot_sensitivity
 from .space import (DEFAULT_BITS, DEFAULT_FORMATS, DEFAULT_GROUP_SIZES, DEFAULT_KEY_AXES, DEFAULT_KEY_CORRECTION_RANK,
-                    DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS, DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_LENGTHS,
-                    SearchSpace)
+                    DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS, DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS,
+                    DEFAULT_SINK_LENGTHS, SearchSpace)
 from ..errors import describe
 from ..plans._files import sidecar_paths, write_file_set  # noqa: F401 -- sidecar_paths is public here
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
@@ -633,7 +633,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            key_correction_bits: int = 4, rotation: str | None = None, key_pre_rope: bool | None = None,
            key_scaling: str | None = None, value_scaling: str | None = None, codebooks: Sequence[str] | None = None,
            residual_bits: int = DEFAULT_RESIDUAL_BITS, recent_lengths: Sequence[int] = DEFAULT_RECENT_LENGTHS,
-           pareto: bool = False, profile: bool | Mapping[str, float] = True,
+           sink_bits: int = DEFAULT_SINK_BITS, pareto: bool = False, profile: bool | Mapping[str, float] = True,
            profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
            surrogate_offset: bool = True,
            n_candidates: int = 4, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
@@ -677,6 +677,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     the group commits; it shapes the bpv between group boundaries, and the scores wherever residual tokens
     are read; default ``DEFAULT_RESIDUAL_BITS``). ``recent_lengths``: choices of ``quantizer.recent_length``
     (the newest committed tokens keep a residual-precision copy that reads use; paid in bpv).
+    ``sink_bits``: how every searched plan holds its attention-sink positions (``quantizer.sink_bits``: 16
+    as written, 8 per-token codes in the slots' rotated frame; default ``DEFAULT_SINK_BITS``).
 
     ``surrogate``: screen candidates with the random forest (``False``: every proposal is
     evaluated). ``surrogate_offset``: the forest learns log-KL minus the log of the profile's
@@ -769,7 +771,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                            sink_lengths=sink_lengths, key_basis=key_basis, key_correction_bits=key_correction_bits,
                            rotation=rotation, rope_inv_freq=inv_freq if key_pre_rope else None,
                            key_scaling=key_scaling, value_scaling=value_scaling, codebooks=codebooks,
-                           labelling=labelling_name, residual_bits=residual_bits, recent_lengths=recent_lengths)
+                           labelling=labelling_name, residual_bits=residual_bits, recent_lengths=recent_lengths,
+                           sink_bits=sink_bits)
 
     BpvModel(make_space(None), reference).check_budget(min(budgets))  # before any study or basis work
     data_hash = getattr(scorer, "data_hash", None)
@@ -812,6 +815,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                   "codebooks": list(codebooks),
                   # only when set: studies made before the field existed stay joinable
                   **({"residual_bits": residual_bits} if residual_bits != FULL_PRECISION_BITS else {}),
+                  **({"sink_bits": sink_bits} if sink_bits != FULL_PRECISION_BITS else {}),
                   **({"recent_lengths": sorted(set(recent_lengths))} if tuple(recent_lengths) != (0,) else {})}})
     _check_identity(study, identity, study_name, label)
     owner = {**owner_attrs(), "worker": worker, "data_hash": data_hash}

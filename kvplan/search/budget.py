@@ -133,7 +133,7 @@ class BpvModel:
         T = len(self.labels)
         C = committed_length(T, q.residual_length, q.group_size)
         # per layer: residual positions it keeps (held as quantizer.residual_bits says), plus committed
-        # sink positions it keeps (full precision in every slot); sliding-window layers keep only from
+        # sink positions it keeps (quantizer.sink_bits, in every slot); sliding-window layers keep only from
         # their kept start on
         fp_bytes = self.reference.full_precision_bits // 8
         kept_starts = self._kept_starts(q)
@@ -142,7 +142,7 @@ class BpvModel:
                                  for kept in kept_starts)
         sink_positions = sum(max(0, min(q.sink_length, C) - kept) for kept in kept_starts)
         const = 8.0 * (residual_positions * q.residual_token_bytes(g.head_dim, fp_bytes)
-                       + sink_positions * g.head_dim * fp_bytes) * g.num_kv_heads * 2 / self.n_values(q)
+                       + sink_positions * q.sink_token_bytes(g.head_dim, fp_bytes)) * g.num_kv_heads * 2 / self.n_values(q)
         sc = self.slot_costs(q)
         bit_col = {c: i for i, c in enumerate(self.space.codes)}
         groups = self.space.groups

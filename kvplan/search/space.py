@@ -54,6 +54,11 @@ DEFAULT_RECENT_LENGTHS = (0, 4, 8)
 # they read as the as-written tokens do (600 tokens: 0.01824 vs 0.01826 KL) at half the bytes and
 # less (bench/results/residual_bits.md); 4-bit codes doubled the KL
 DEFAULT_RESIDUAL_BITS = 8
+# how searched plans hold their attention-sink positions (quantizer.sink_bits): 8-bit per-token codes in the
+# slots' rotated frame, chosen on the validation split (bench/search.md): the default search reached 0.0294
+# validation KL with them vs 0.0319 with the sink as written (fp32: 0.046 bpv more at 512 tokens, while the
+# recorded plan with its sink coded reads 0.03197 vs 0.0319)
+DEFAULT_SINK_BITS = 8
 # rank of the HeadQ-style key correction the search offers for key slots at the lowest bits (0 = off);
 # chosen on the validation split: the default search at 2.5 bpv reached validation KL 0.0679 with rank 2
 # vs 0.0776 with rank 0 (bench/results/key_correction_rank/; ranks 1 and 4 not re-run on validation)
@@ -97,7 +102,7 @@ class SearchSpace:
                  rope_inv_freq: Sequence[float] | None = None, key_scaling: str = "minmax-fp16",
                  value_scaling: str = "minmax-fp16", codebooks: Sequence[str] = (),
                  labelling: str = TOKEN_IDS_NAME, residual_bits: int = FULL_PRECISION_BITS,
-                 recent_lengths: Sequence[int] = (0,)):
+                 recent_lengths: Sequence[int] = (0,), sink_bits: int = FULL_PRECISION_BITS):
         if granularity not in GRANULARITIES:
             raise KVPlanError(f"granularity {granularity!r} is not one of {list(GRANULARITIES)}")
         bits = tuple(sorted(set(int(b) for b in bits)))
@@ -135,8 +140,8 @@ class SearchSpace:
         self.rope_inv_freq = None if rope_inv_freq is None else as_floats(normalize_rope_inv_freq(rope_inv_freq))
         self.fixed_fields = {**self.key_correction, "rotation": rotation, "key_pre_rope": rope_inv_freq is not None,
                              "key_scaling": key_scaling, "value_scaling": value_scaling,
-                             "residual_bits": residual_bits}
-        QuantizerSettings(**self.fixed_fields)  # validates rotation, scalings and residual_bits
+                             "residual_bits": residual_bits, "sink_bits": sink_bits}
+        QuantizerSettings(**self.fixed_fields)  # validates rotation, scalings, residual_bits and sink_bits
         # kinds whose quantized bits get Lloyd-Max codebooks (fitted per group length: codebooks_for)
         self.codebook_kinds = tuple(k for k in ("k", "v") if k in tuple(codebooks))
         if len(self.codebook_kinds) != len(tuple(codebooks)):
@@ -309,7 +314,7 @@ class SearchSpace:
                 "formats": {"key_scaling": self.fixed_fields["key_scaling"],
                             "value_scaling": self.fixed_fields["value_scaling"],
                             "codebooks": list(self.codebook_kinds)},
-                "residual_bits": self.fixed_fields["residual_bits"],
+                "residual_bits": self.fixed_fields["residual_bits"], "sink_bits": self.fixed_fields["sink_bits"],
                 **({"recent_lengths": list(self.recent_lengths)} if self.recent_lengths != (0,) else {}),
                 "value_axis": self.value_axis, "modalities": list(self.modalities), "shape": list(self.shape),
                 "n_params": len(self.distributions()), "pairs": [list(p) for p in self.pairs]}

@@ -32,7 +32,7 @@ def test_round_trip_keeps_formats(tmp_path):
     path = tmp_path / "p.yaml"
     plan.to_yaml(path)
     doc = yaml.safe_load(path.read_text())
-    assert doc["schema_version"] == 4 and "residual_bits" not in doc["quantizer"]  # 16: the default, not written
+    assert doc["schema_version"] == 5 and "residual_bits" not in doc["quantizer"]  # 16: the default, not written
     assert "recent_length" not in doc["quantizer"]  # 0: the default, not written
     assert doc["quantizer"]["value_scaling"] == "absmax-e4m3"
     assert doc["quantizer"]["codebooks"]["v"][3] == list(default_codebook(3, "absmax-e4m3", 16))
@@ -56,7 +56,7 @@ def test_version_1_file_migrates_to_v1_formats(tmp_path):
     assert old.quantizer.residual_bits == 16
     assert old.bpv() == plan.bpv()
     assert old.quantizer.recent_length == 0
-    assert old.to_dict()["schema_version"] == 4
+    assert old.to_dict()["schema_version"] == 5
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -102,7 +102,7 @@ def test_recent_length_round_trips_and_a_version_3_file_with_it_is_refused(tmp_p
     path = tmp_path / "p.yaml"
     plan.to_yaml(path)
     doc = yaml.safe_load(path.read_text())
-    assert doc["schema_version"] == 4 and doc["quantizer"]["recent_length"] == 16
+    assert doc["schema_version"] == 5 and doc["quantizer"]["recent_length"] == 16
     back = Plan.from_yaml(path)
     assert back.quantizer == plan.quantizer and back.bpv() == plan.bpv()
     doc["schema_version"] = 3
@@ -113,6 +113,27 @@ def test_recent_length_round_trips_and_a_version_3_file_with_it_is_refused(tmp_p
     doc["quantizer"]["recent_length"] = -1
     path.write_text(yaml.safe_dump(doc))
     with pytest.raises(PlanError, match=r"quantizer\.recent_length"):
+        Plan.from_yaml(path)
+
+
+def test_sink_bits_round_trips_and_a_version_4_file_with_it_is_refused(tmp_path):
+    base = uniform_plan(GEOM, 2, 2, group_size=32, residual_length=0, sink_length=2)
+    plan = base.replace(quantizer=dataclasses.replace(base.quantizer, sink_bits=8))
+    path = tmp_path / "p.yaml"
+    plan.to_yaml(path)
+    doc = yaml.safe_load(path.read_text())
+    assert doc["schema_version"] == 5 and doc["quantizer"]["sink_bits"] == 8
+    back = Plan.from_yaml(path)
+    assert back.quantizer == plan.quantizer and back.bpv() == plan.bpv() and back.bpv().total < base.bpv().total
+    assert "sink_bits" not in base.to_dict()["quantizer"]  # 16: the default, not written
+    doc["schema_version"] = 4
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=r"quantizer\.sink_bits: needs schema_version 5 \(the file says 4\)"):
+        Plan.from_yaml(path)
+    doc["schema_version"] = 5
+    doc["quantizer"]["sink_bits"] = 4
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=r"quantizer\.sink_bits: must be one of"):
         Plan.from_yaml(path)
 
 
@@ -142,7 +163,7 @@ def test_version_1_file_with_version_2_keys_is_refused(tmp_path):
         Plan.from_yaml(path)
 
 
-@pytest.mark.parametrize("reader", [1, 2, 3])
+@pytest.mark.parametrize("reader", [1, 2, 3, 4])
 def test_an_older_reader_says_newer_schema(tmp_path, monkeypatch, reader):
     path = tmp_path / "p.yaml"
     _formats_plan().to_yaml(path)
