@@ -81,6 +81,8 @@ class KVPlanLayer(CacheLayerMixin):
                     groups.setdefault(int(table[h, k, m]), []).append(h)
                 self.head_groups[kind][mod] = sorted((b, tuple(hs)) for b, hs in groups.items())
         self.segments: dict[str, list[Segment]] = {"k": [], "v": []}
+        # kind -> packed_segments(kind), kept until the segments or the copies change (_stored_changed)
+        self._packed: dict[str, list[list[PackedBlock]]] = {}
         self.residual: dict[str, Residual | None] = {"k": None, "v": None}  # [B, H_kv, T_res, D] each
         # copies of the newest committed tokens [committed - n_recent, committed) (quantizer.recent_length)
         self.recent: dict[str, Residual | None] = {"k": None, "v": None}
@@ -189,6 +191,7 @@ class KVPlanLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.segments = {"k": [], "v": []}
+        self._stored_changed()
         self.residual = {"k": None, "v": None}
         self.recent = {"k": None, "v": None}
         self.residual_labels = []
@@ -221,6 +224,7 @@ class KVPlanLayer(CacheLayerMixin):
             for seg in self.segments[kind]:
                 for block in seg.blocks:
                     block.map_tensors(fn)
+        self._stored_changed()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -276,15 +280,23 @@ class KVPlanLayer(CacheLayerMixin):
 
     def packed_segments(self, kind: str) -> list[list[PackedBlock]]:
         """Each segment's blocks for the fused kernels: committed positions up to the recent copies
-        (which :meth:`_dense_tail` hands over dense), in order."""
-        end = self.committed - self.recent[kind].length
-        out = []
-        for seg in self.segments[kind]:
-            if seg.start >= end:
-                break
-            n = min(seg.length, end - seg.start)
-            out.append(seg.blocks if n == seg.length else [b.token_range(0, n) for b in seg.blocks])
+        (which :meth:`_dense_tail` hands over dense), in order. Built once per commit (every decode
+        step between two commits reads the same list)."""
+        out = self._packed.get(kind)
+        if out is None:
+            end = self.committed - self.recent[kind].length
+            out = []
+            for seg in self.segments[kind]:
+                if seg.start >= end:
+                    break
+                n = min(seg.length, end - seg.start)
+                out.append(seg.blocks if n == seg.length else [b.token_range(0, n) for b in seg.blocks])
+            self._packed[kind] = out
         return out
+
+    def _stored_changed(self) -> None:
+        """Forget :meth:`packed_segments`' lists: segments, their tensors or the copies changed."""
+        self._packed = {}
 
     def _commit(self, free: bool = True) -> None:
         """Quantize the tokens that are due (``plans.accounting.committed_length``) and append them;
@@ -321,6 +333,7 @@ class KVPlanLayer(CacheLayerMixin):
         keep = recent_tokens(self.committed, q.recent_length, q.sink_length, self.dropped)
         for kind in KINDS:
             self.recent[kind].drop_oldest(self.recent[kind].length - keep)
+        self._stored_changed()  # called by every change of the segments (commit, free)
 
     def _commit_oldest(self, target: int) -> None:
         """Quantize residual tokens ``[committed, target)`` into segments (see :meth:`_commit`)."""
