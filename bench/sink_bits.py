@@ -1,6 +1,8 @@
 """How a plan holds its attention-sink tokens (``quantizer.sink_bits``): validation KL and honest bpv.
 
     python bench/sink_bits.py bench/results/search-2.5bpv.yaml   # -> bench/results/sink_bits.md (~1 min)
+    git show 7ae02ac:bench/results/search-2.5bpv.yaml > before.yaml   # the plan the default was chosen on
+    python bench/sink_bits.py before.yaml --origin "git show 7ae02ac:bench/results/search-2.5bpv.yaml"
 
 The plan's bits, formats, rotations and copies are kept; only the sink changes: as written (the
 model's dtype, fp32 on CPU: ``sink_bits`` 16), as 8-bit per-token codes in the slots' rotated frame
@@ -30,6 +32,7 @@ from kvplan.search.scorers import task_scorers  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("plan")
+    ap.add_argument("--origin", default=None, help="where the plan file came from (written in the table's head)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "sink_bits.md"))
     args = ap.parse_args()
@@ -42,7 +45,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Attention-sink tokens as written vs 8-bit codes: validation KL", "",
              f"Command: `python bench/sink_bits.py {args.plan}` at commit {commit} (method in the script's "
-             f"docstring). The plan's own sink: {q.sink_length} token(s), sink_bits {q.sink_bits}.", "",
+             f"docstring).{f' The plan: `{args.origin}`.' if args.origin else ''} Its own sink: {q.sink_length} "
+             f"token(s), sink_bits {q.sink_bits}.", "",
              "| sink_length | held as | honest bpv at 512 | validation KL [95% CI] |", "|---:|---|---:|---|"]
     for length, bits, held in ((sink, 16, f"as written (fp{plan.reference.full_precision_bits})"),
                                (sink, 8, "8-bit per-token codes, rotated frame"), (0, 16, "-")):
