@@ -1,6 +1,7 @@
-"""Shared helpers: the attention routes a runtime test runs on, and one generation compared
-against the dequantize-then-attend route."""
+"""Shared helpers: the attention routes a runtime test runs on, one generation compared
+against the dequantize-then-attend route, and plans / states for cache tests."""
 
+import dataclasses
 import os
 
 import pytest
@@ -36,3 +37,14 @@ def generate_like_dequantize(model, plan, attention: str, ids=ROUTE_IDS, max_new
     for a, b in zip(out.scores, ref.scores):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
     return out, ref
+
+
+def with_quantizer(plan, **fields):
+    """``plan`` with these ``quantizer`` fields changed."""
+    return plan.replace(quantizer=dataclasses.replace(plan.quantizer, **fields))
+
+
+def random_kv(n: int, seed: int, D: int = 16, heads: int = 2):
+    """Seeded random key and value states ``[1, heads, n, D]``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, heads, n, D, generator=g), torch.randn(1, heads, n, D, generator=g)

@@ -1,26 +1,15 @@
 """quantizer.recent_length: the newest committed tokens keep their residual form, which reads use."""
 
-import dataclasses
-
 import pytest
 import torch
 
 from kvplan import Geometry, KVPlanCache, baseline_plan, uniform_plan
 from kvplan.kernels import reference
-from tests.runtime.routes import KERNELS, generate_like_dequantize
+from tests.runtime.routes import KERNELS, generate_like_dequantize, random_kv, with_quantizer
 from tests.tiny_models import tiny_llama
 
 GEOM = Geometry(2, 2, 16, ("full", "full"), "llama")
 HYBRID = Geometry(2, 2, 64, ("full", "sliding"), "llama", 48)
-
-
-def _with(plan, **fields):
-    return plan.replace(quantizer=dataclasses.replace(plan.quantizer, **fields))
-
-
-def _states(n, seed, D=16):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(1, 2, n, D, generator=g), torch.randn(1, 2, n, D, generator=g)
 
 
 @pytest.mark.parametrize("bits", [16, 8])
@@ -29,13 +18,13 @@ def test_bytes_equal_the_plan_at_every_length(bits, recent):
     """Prefill then token by token, on a full and a sliding-window layer with a sink and a residual
     window: the cache holds exactly plan.bpv(T) (fp32 storage) after every step, and the copies are
     the newest min(recent, committed - sink) committed tokens."""
-    plan = _with(uniform_plan(HYBRID, 2, group_size=32, residual_length=8, sink_length=1), residual_bits=bits,
+    plan = with_quantizer(uniform_plan(HYBRID, 2, group_size=32, residual_length=8, sink_length=1), residual_bits=bits,
                  recent_length=recent)
     cache = KVPlanCache(plan, HYBRID)
     T = 0
     for step, t_new in enumerate([37] + [1] * 70):
         for layer in cache.layers:
-            layer.update(*_states(t_new, 100 * step + layer.layer_idx, D=64))
+            layer.update(*random_kv(t_new, 100 * step + layer.layer_idx, D=64))
         T += t_new
         assert cache.bpv() == plan.bpv(context_len=T, full_precision_bits=32).total, (bits, T)
         full = cache.layers[0]
@@ -47,14 +36,14 @@ def test_bytes_equal_the_plan_at_every_length(bits, recent):
 def test_reads_use_the_copies_and_the_slot_codes_stay_the_same():
     """After a commit the newest 6 committed tokens read as their 8-bit residual codes, older ones as
     their slot codes, which are exactly those of the plan without copies."""
-    base = _with(baseline_plan("int2", GEOM, residual_length=0), residual_bits=8)  # group 32
-    plan = _with(base, recent_length=6)
+    base = with_quantizer(baseline_plan("int2", GEOM, residual_length=0), residual_bits=8)  # group 32
+    plan = with_quantizer(base, recent_length=6)
     reads = {}
     for name, p in (("copies", plan), ("none", base)):
         layer = KVPlanCache(p).layers[0]
-        k, v = _states(20, 1)
+        k, v = random_kv(20, 1)
         layer.update(k, v)  # 20 wait, coded per token after this forward
-        k2, v2 = _states(12, 2)
+        k2, v2 = random_kv(12, 2)
         layer.update(k2, v2)  # 32: the group commits
         assert layer.committed == 32
         reads[name] = (layer, layer._read("k"), torch.cat([k, k2], dim=-2))
@@ -79,6 +68,6 @@ def test_fused_kernels_read_the_copies_like_the_dequantize_route(attention):
     Hadamard-rotated blocks, and copies that cross commits."""
     model = tiny_llama()
     g = Geometry.of(model)
-    plan = _with(uniform_plan(g, 2, group_size=32, residual_length=0, sink_length=1), residual_bits=8,
+    plan = with_quantizer(uniform_plan(g, 2, group_size=32, residual_length=0, sink_length=1), residual_bits=8,
                  recent_length=10, rotation="hadamard")
     generate_like_dequantize(model, plan, attention, max_new_tokens=40)

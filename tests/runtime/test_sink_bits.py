@@ -8,19 +8,10 @@ import torch
 from kvplan import Geometry, KVPlanCache, uniform_plan
 from kvplan.kernels import reference
 from kvplan.models.rope import rope_inv_freq
-from tests.runtime.routes import KERNELS, generate_like_dequantize
+from tests.runtime.routes import KERNELS, generate_like_dequantize, random_kv, with_quantizer
 from tests.tiny_models import tiny_llama
 
 HYBRID = Geometry(2, 2, 64, ("full", "sliding"), "llama", 48)
-
-
-def _with(plan, **fields):
-    return plan.replace(quantizer=dataclasses.replace(plan.quantizer, **fields))
-
-
-def _states(n, seed, D=64):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(1, 2, n, D, generator=g), torch.randn(1, 2, n, D, generator=g)
 
 
 @pytest.mark.parametrize("sink", [1, 4, 40])
@@ -29,13 +20,13 @@ def test_bytes_equal_the_plan_at_every_length(sink, recent):
     """Prefill then token by token on a full and a sliding-window layer (whose window frees the sink):
     the cache holds exactly plan.bpv(T) (fp32 storage) after every step; a sink position costs a
     per-token 8-bit code, a quarter of what it costs as written."""
-    plan = _with(uniform_plan(HYBRID, 2, group_size=32, residual_length=8, sink_length=sink), residual_bits=8,
+    plan = with_quantizer(uniform_plan(HYBRID, 2, group_size=32, residual_length=8, sink_length=sink), residual_bits=8,
                  recent_length=recent, sink_bits=8)
     cache = KVPlanCache(plan, HYBRID)
     T = 0
     for step, t_new in enumerate([37] + [1] * 70):
         for layer in cache.layers:
-            layer.update(*_states(t_new, 100 * step + layer.layer_idx))
+            layer.update(*random_kv(t_new, 100 * step + layer.layer_idx, D=64))
         T += t_new
         assert cache.bpv() == plan.bpv(context_len=T, full_precision_bits=32).total, (sink, T)
     assert cache.layers[1].dropped > 0  # the sliding layer freed its sink with its first group
@@ -46,9 +37,9 @@ def test_a_coded_sink_position_costs_its_8bit_code(sink):
     """At 256 tokens (224 committed) each sink position of each layer, KV head and kind costs 64 one-byte
     codes plus an fp16 scale and zero per 32 channels instead of 64 fp32 values."""
     geom = Geometry(2, 2, 64, ("full", "full"), "llama")
-    plan = _with(uniform_plan(geom, 2, group_size=32, residual_length=8, sink_length=sink), sink_bits=8)
+    plan = with_quantizer(uniform_plan(geom, 2, group_size=32, residual_length=8, sink_length=sink), sink_bits=8)
     assert plan.quantizer.sink_token_bytes(64, 4) == 64 + 2 * 4
-    saved = (plan.replace(quantizer=dataclasses.replace(plan.quantizer, sink_bits=16)).bpv(context_len=256, full_precision_bits=32).total
+    saved = (with_quantizer(plan, sink_bits=16).bpv(context_len=256, full_precision_bits=32).total
              - plan.bpv(context_len=256, full_precision_bits=32).total)
     assert saved == pytest.approx(8 * sink * (64 * 4 - 72) / (64 * 256))
 
@@ -58,10 +49,10 @@ def test_sink_reads_back_as_its_rotated_8bit_code():
     inverse: within 8-bit rounding of what was written, and exactly the reference codec's read."""
     model = tiny_llama()
     g = Geometry.of(model)
-    plan = _with(uniform_plan(g, 2, group_size=32, residual_length=0, sink_length=3), sink_bits=8,
+    plan = with_quantizer(uniform_plan(g, 2, group_size=32, residual_length=0, sink_length=3), sink_bits=8,
                  rotation="hadamard")
     layer = KVPlanCache(plan, g).layers[0]
-    k, v = _states(64, 3, D=g.head_dim)
+    k, v = random_kv(64, 3, D=g.head_dim)
     layer.update(k[:, : g.num_kv_heads], v[:, : g.num_kv_heads])
     assert layer.committed == 64
     block = layer.segments["v"][0].blocks[0]
