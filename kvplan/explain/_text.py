@@ -65,8 +65,9 @@ def _header(rep: dict, L: list[str]) -> None:
     sb = q.get("sink_bits", 16)
     sink_held = "at full precision" if sb == 16 else f"as {sb}-bit per-token codes in the slots' rotated frame"
     L.append(f"quantizer: group {q['group_size']}, keys per {q['key_axis']}, values per {q['value_axis']}; the "
-             f"{q['residual_length']} newest tokens and a group still filling wait uncommitted, held {held}; the "
-             f"first {q.get('sink_length', 0)} (attention-sink) tokens are held {sink_held}")
+             f"{q['residual_length']} newest tokens and a group still filling wait uncommitted, held {held}; "
+             + (f"the first {q['sink_length']} (attention-sink) tokens are held {sink_held}" if q.get("sink_length")
+                else "no attention-sink tokens are kept apart"))
     if q.get("recent_length"):
         L.append(f"recent copies: the {q['recent_length']} newest committed tokens also keep their residual form "
                  f"({'full precision' if rb == 16 else f'{rb}-bit per-token codes'}), read instead of their slot codes "
