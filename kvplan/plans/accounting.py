@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..kernels.formats import Format
-from ..kernels.qtypes import FULL_PRECISION_BITS
 from ._checks import split_codes
 from ._fields import SINK_AXIS
 

@@ -57,7 +57,7 @@ DEFAULT_RESIDUAL_BITS = 8
 # how searched plans hold their attention-sink positions (quantizer.sink_bits): 8-bit per-token codes in the
 # slots' rotated frame, chosen on the validation split (bench/search.md): the default search reached 0.0294
 # validation KL with them vs 0.0319 with the sink as written (fp32: 0.046 bpv more at 512 tokens, while the
-# recorded plan with its sink coded reads 0.03197 vs 0.0319)
+# plan recorded before, at 7ae02ac, reads 0.03197 with its sink coded vs 0.03190: bench/results/sink_bits.md)
 DEFAULT_SINK_BITS = 8
 # rank of the HeadQ-style key correction the search offers for key slots at the lowest bits (0 = off);
 # chosen on the validation split: the default search at 2.5 bpv reached validation KL 0.0679 with rank 2
