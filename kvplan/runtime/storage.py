@@ -244,8 +244,9 @@ class PackedBlock:
         return buf[:, :, : n + m]
 
     def layout(self) -> tuple:
-        """What must match for :meth:`append`: heads, bits, format, and whether keys carry a correction."""
-        return self.heads, self.bits, self.fmt, self.correction is not None
+        """What must match for :meth:`append`: heads, bits, axis, format, and whether keys carry a
+        correction (an 8-bit sink block, token axis, never absorbs the 8-bit channel-axis keys after it)."""
+        return self.heads, self.bits, self.axis, self.fmt, self.correction is not None
 
     def tensors(self) -> list[torch.Tensor]:
         own = [t for t in (self.codes, self.scale, self.zero) if t is not None]

@@ -44,6 +44,27 @@ def test_a_coded_sink_position_costs_its_8bit_code(sink):
     assert saved == pytest.approx(8 * sink * (64 * 4 - 72) / (64 * 256))
 
 
+@pytest.mark.parametrize("slot_bits", [8, 16])
+def test_a_sink_beside_slots_of_the_same_bits_stays_its_own_block(slot_bits):
+    """8-bit (or 16-bit) slots after an 8-bit (16-bit) sink: the sink's token-axis block is never merged
+    with the keys' channel-axis blocks that follow it; every position reads back from its own format and
+    the bytes are the plan's."""
+    plan = with_quantizer(uniform_plan(HYBRID, slot_bits, group_size=32, residual_length=0, sink_length=2),
+                          sink_bits=min(slot_bits, 8), rotation="hadamard")
+    cache = KVPlanCache(plan, HYBRID)
+    k, v = random_kv(70, 5, D=64)
+    for layer in cache.layers:
+        layer.update(k, v)
+        layer.update(*random_kv(30, 6, D=64))  # a second commit appends to the slots' segment
+    layer = cache.layers[0]  # the full layer (the sliding one freed its sink)
+    assert layer.committed == 96
+    axes = [(seg.start, seg.length, seg.blocks[0].axis) for seg in layer.segments["k"]]
+    assert axes == [(0, 2, "token"), (2, 94, "channel")]
+    assert cache.bpv() == plan.bpv(context_len=100, full_precision_bits=32).total
+    got = layer._read("k")
+    assert (got[:, :, :70] - k).abs().max() < 0.05 * k.abs().max()
+
+
 def test_sink_reads_back_as_its_rotated_8bit_code():
     """The sink tokens are coded per token after the slots' Hadamard rotation and read back through its
     inverse: within 8-bit rounding of what was written, and exactly the reference codec's read."""

@@ -73,13 +73,13 @@ def test_search_and_load_with_the_users_labelling(tmp_path):
         gen = model.generate(**inputs, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
     finally:
         kvplan.unload(model)
-    table, sink = plan.table(), plan.quantizer.sink_length
+    table, sink, sink_bits = plan.table(), plan.quantizer.sink_length, plan.quantizer.sink_bits
     checked = 0
     for layer in range(plan.geometry.num_layers):
         for k, kind in enumerate(("k", "v")):
             for h, bits in enumerate(gen.cache.token_bits(layer, kind)):
                 for t, b in enumerate(bits):
-                    want = 16 if t < sink else table[layer, h, k, plan.modalities.index(labels[t])]
+                    want = sink_bits if t < sink else table[layer, h, k, plan.modalities.index(labels[t])]
                     assert b == want, (layer, kind, h, t)
                     checked += 1
     assert checked > 0
