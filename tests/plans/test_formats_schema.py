@@ -81,19 +81,25 @@ def test_residual_bits_round_trip_and_count(tmp_path, bits):
     assert plan.bpv(context_len=288) == base.bpv(context_len=288)  # nothing waits at a group boundary
 
 
+def _assert_new_key_refused(doc, path, key, version, bad_value, bad_match):
+    """``doc`` (a plan carrying ``quantizer.key``, added by schema ``version``) written as the version
+    before is refused naming both versions; at ``version`` the ``bad_value`` is refused (``bad_match``)."""
+    doc["schema_version"] = version - 1
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=rf"quantizer\.{key}: needs schema_version {version} \(the file says "
+                                        rf"{version - 1}\)"):
+        Plan.from_yaml(path)
+    doc["schema_version"] = version
+    doc["quantizer"][key] = bad_value
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=bad_match):
+        Plan.from_yaml(path)
+
+
 def test_version_2_file_with_residual_bits_is_refused(tmp_path):
     base = uniform_plan(GEOM, 2, 2)
     doc = base.replace(quantizer=dataclasses.replace(base.quantizer, residual_bits=8)).to_dict()
-    doc["schema_version"] = 2
-    path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    with pytest.raises(PlanError, match=r"quantizer\.residual_bits: needs schema_version 3 \(the file says 2\)"):
-        Plan.from_yaml(path)
-    doc["schema_version"] = 3
-    doc["quantizer"]["residual_bits"] = 2
-    path.write_text(yaml.safe_dump(doc))
-    with pytest.raises(PlanError, match=r"quantizer\.residual_bits: must be one of"):
-        Plan.from_yaml(path)
+    _assert_new_key_refused(doc, tmp_path / "bad.yaml", "residual_bits", 3, 2, r"quantizer\.residual_bits: must be one of")
 
 
 def test_recent_length_round_trips_and_a_version_3_file_with_it_is_refused(tmp_path):
@@ -105,15 +111,7 @@ def test_recent_length_round_trips_and_a_version_3_file_with_it_is_refused(tmp_p
     assert doc["schema_version"] == 5 and doc["quantizer"]["recent_length"] == 16
     back = Plan.from_yaml(path)
     assert back.quantizer == plan.quantizer and back.bpv() == plan.bpv()
-    doc["schema_version"] = 3
-    path.write_text(yaml.safe_dump(doc))
-    with pytest.raises(PlanError, match=r"quantizer\.recent_length: needs schema_version 4 \(the file says 3\)"):
-        Plan.from_yaml(path)
-    doc["schema_version"] = 4
-    doc["quantizer"]["recent_length"] = -1
-    path.write_text(yaml.safe_dump(doc))
-    with pytest.raises(PlanError, match=r"quantizer\.recent_length"):
-        Plan.from_yaml(path)
+    _assert_new_key_refused(doc, path, "recent_length", 4, -1, r"quantizer\.recent_length")
 
 
 def test_sink_bits_round_trips_and_a_version_4_file_with_it_is_refused(tmp_path):
@@ -126,15 +124,7 @@ def test_sink_bits_round_trips_and_a_version_4_file_with_it_is_refused(tmp_path)
     back = Plan.from_yaml(path)
     assert back.quantizer == plan.quantizer and back.bpv() == plan.bpv() and back.bpv().total < base.bpv().total
     assert "sink_bits" not in base.to_dict()["quantizer"]  # 16: the default, not written
-    doc["schema_version"] = 4
-    path.write_text(yaml.safe_dump(doc))
-    with pytest.raises(PlanError, match=r"quantizer\.sink_bits: needs schema_version 5 \(the file says 4\)"):
-        Plan.from_yaml(path)
-    doc["schema_version"] = 5
-    doc["quantizer"]["sink_bits"] = 4
-    path.write_text(yaml.safe_dump(doc))
-    with pytest.raises(PlanError, match=r"quantizer\.sink_bits: must be one of"):
-        Plan.from_yaml(path)
+    _assert_new_key_refused(doc, path, "sink_bits", 5, 4, r"quantizer\.sink_bits: must be one of")
 
 
 def test_recent_copies_are_counted_as_residual_bytes():

@@ -48,3 +48,14 @@ def random_kv(n: int, seed: int, D: int = 16, heads: int = 2):
     """Seeded random key and value states ``[1, heads, n, D]``."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(1, heads, n, D, generator=g), torch.randn(1, heads, n, D, generator=g)
+
+
+def prefill_then_decode(cache, decode_steps: int, prefill: int = 37, D: int = 64):
+    """Write ``prefill`` tokens, then one token ``decode_steps`` times, into every layer of ``cache``
+    (seeded :func:`random_kv` states); yields the total length after each step."""
+    T = 0
+    for step, t_new in enumerate([prefill] + [1] * decode_steps):
+        for layer in cache.layers:
+            layer.update(*random_kv(t_new, 100 * step + layer.layer_idx, D=D))
+        T += t_new
+        yield T

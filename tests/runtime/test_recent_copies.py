@@ -5,7 +5,7 @@ import torch
 
 from kvplan import Geometry, KVPlanCache, baseline_plan, uniform_plan
 from kvplan.kernels import reference
-from tests.runtime.routes import KERNELS, generate_like_dequantize, random_kv, with_quantizer
+from tests.runtime.routes import KERNELS, generate_like_dequantize, prefill_then_decode, random_kv, with_quantizer
 from tests.tiny_models import tiny_llama
 
 GEOM = Geometry(2, 2, 16, ("full", "full"), "llama")
@@ -18,14 +18,10 @@ def test_bytes_equal_the_plan_at_every_length(bits, recent):
     """Prefill then token by token, on a full and a sliding-window layer with a sink and a residual
     window: the cache holds exactly plan.bpv(T) (fp32 storage) after every step, and the copies are
     the newest min(recent, committed - sink) committed tokens."""
-    plan = with_quantizer(uniform_plan(HYBRID, 2, group_size=32, residual_length=8, sink_length=1), residual_bits=bits,
-                 recent_length=recent)
+    plan = with_quantizer(uniform_plan(HYBRID, 2, group_size=32, residual_length=8, sink_length=1),
+                          residual_bits=bits, recent_length=recent)
     cache = KVPlanCache(plan, HYBRID)
-    T = 0
-    for step, t_new in enumerate([37] + [1] * 70):
-        for layer in cache.layers:
-            layer.update(*random_kv(t_new, 100 * step + layer.layer_idx, D=64))
-        T += t_new
+    for T in prefill_then_decode(cache, 70):
         assert cache.bpv() == plan.bpv(context_len=T, full_precision_bits=32).total, (bits, T)
         full = cache.layers[0]
         want = min(recent, full.committed - 1) if full.committed else 0

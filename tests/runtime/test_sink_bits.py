@@ -8,7 +8,7 @@ import torch
 from kvplan import Geometry, KVPlanCache, uniform_plan
 from kvplan.kernels import reference
 from kvplan.models.rope import rope_inv_freq
-from tests.runtime.routes import KERNELS, generate_like_dequantize, random_kv, with_quantizer
+from tests.runtime.routes import KERNELS, generate_like_dequantize, prefill_then_decode, random_kv, with_quantizer
 from tests.tiny_models import tiny_llama
 
 HYBRID = Geometry(2, 2, 64, ("full", "sliding"), "llama", 48)
@@ -20,14 +20,10 @@ def test_bytes_equal_the_plan_at_every_length(sink, recent):
     """Prefill then token by token on a full and a sliding-window layer (whose window frees the sink):
     the cache holds exactly plan.bpv(T) (fp32 storage) after every step; a sink position costs a
     per-token 8-bit code, a quarter of what it costs as written."""
-    plan = with_quantizer(uniform_plan(HYBRID, 2, group_size=32, residual_length=8, sink_length=sink), residual_bits=8,
-                 recent_length=recent, sink_bits=8)
+    plan = with_quantizer(uniform_plan(HYBRID, 2, group_size=32, residual_length=8, sink_length=sink),
+                          residual_bits=8, recent_length=recent, sink_bits=8)
     cache = KVPlanCache(plan, HYBRID)
-    T = 0
-    for step, t_new in enumerate([37] + [1] * 70):
-        for layer in cache.layers:
-            layer.update(*random_kv(t_new, 100 * step + layer.layer_idx, D=64))
-        T += t_new
+    for T in prefill_then_decode(cache, 70):
         assert cache.bpv() == plan.bpv(context_len=T, full_precision_bits=32).total, (sink, T)
     assert cache.layers[1].dropped > 0  # the sliding layer freed its sink with its first group
 
