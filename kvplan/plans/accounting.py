@@ -216,7 +216,7 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
         for head in range(geometry.num_kv_heads):
             for k, kind in enumerate(("k", "v")):
                 for lab, start, length, sink in runs:
-                    bits = -1 if sink else int(table[layer, head, k, plan.modalities.index(lab)])  # -1: the sink
+                    bits = None if sink else int(table[layer, head, k, plan.modalities.index(lab)])  # None: the sink
                     key = (kind, bits, start, length)
                     if key not in run_cost:
                         fmt, axis = (q.sink_format, SINK_AXIS) if sink else (q.format(kind, bits), q.axis(kind))

@@ -42,7 +42,8 @@ DEFAULT_BITS = (2, 3, 4, 8, 16)
 DEFAULT_GROUP_SIZES = GROUP_SIZES  # (32, 64, 128)
 DEFAULT_RESIDUAL_LENGTHS = (0, 32, 128)
 DEFAULT_KEY_AXES = ("channel",)
-# first tokens kept at full precision: none, the attention sink (BOS / first token), a few
+# first tokens kept apart from the slots (held as quantizer.sink_bits says): none, the attention sink
+# (BOS / first token), a few
 DEFAULT_SINK_LENGTHS = (0, 1, 4)
 # newest committed tokens that keep a residual-precision copy (quantizer.recent_length), chosen on the
 # validation split (bench/search.md): the default search offered 0 / 4 / 8 copies reached 0.0319
