@@ -47,7 +47,7 @@ DEFAULT_KEY_AXES = ("channel",)
 DEFAULT_SINK_LENGTHS = (0, 1, 4)
 # newest committed tokens that keep a residual-precision copy (quantizer.recent_length), chosen on the
 # validation split (bench/search.md): the default search offered 0 / 4 / 8 copies reached 0.0319
-# validation KL with 4 (0.0359 offered none); 16 copies do not fit 2.5 bpv beside a sink token, and a
+# validation KL with 4 (0.0359 offered none); 16 copies did not fit 2.5 bpv beside an fp32 sink token, and a
 # search offered 0 / 8 / 16 kept none (bench/results/recent_tokens.md: 8 copies paid with slot bits
 # cost more than they bring)
 DEFAULT_RECENT_LENGTHS = (0, 4, 8)
