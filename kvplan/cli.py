@@ -93,6 +93,8 @@ def _cmd_search(args) -> int:
         extra["codebooks"] = () if args.codebooks == "none" else tuple(args.codebooks.split(","))
     extra["residual_bits"] = args.residual_bits
     extra["sink_bits"] = args.sink_bits
+    if args.no_error_feedback:
+        extra["error_feedback"] = False
     result = search(model=args.model, budget=budgets, granularity=args.granularity, n_trials=args.trials,
                     seed=args.seed, storage=storage, study_name=args.study_name, out=args.out,
                     scorer=scorers.calibration, validation_scorer=scorers.validation, test_scorer=scorers.test,
@@ -297,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sink-bits", type=int, choices=[8, 16], default=DEFAULT_SINK_BITS,
                    help="how plans hold the attention-sink tokens (--sink-lengths): 16 = as written, 8 = per-token "
                         f"codes in the slots' rotated frame (default {DEFAULT_SINK_BITS})")
+    s.add_argument("--no-error-feedback", action="store_true",
+                   help="round slot codes to the nearest level (default: codes chosen by error feedback under "
+                        "metrics learned from the calibration queries and the output projections; same bytes)")
     s.add_argument("--recent-lengths", type=int, nargs="+", default=None, metavar="N",
                    help="choices for the number of newest committed tokens that keep a copy at the residual's "
                         "precision, read instead of their slot codes (default: "

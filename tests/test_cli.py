@@ -87,9 +87,11 @@ def test_search_then_explain_then_load(tmp_path, smollm2):
     assert plan.bpv().total <= 3.5 and plan.target_bpv == 3.5
     assert plan.provenance.produced_by.startswith("kvplan search")
     assert plan.metrics["test"]["kl"] > 0 and plan.metrics["validation"]["kl"] > 0
+    assert plan.feedback_metric is not None  # error feedback is on by default (--no-error-feedback)
     r = _kvplan("explain", str(out), "--format", "json", "--figures", str(tmp_path / "fig"))
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
+    assert report["error_feedback"] is True
     assert report and (tmp_path / "fig").is_dir() and any(p.suffix == ".png" for p in (tmp_path / "fig").iterdir())
     model, tok = smollm2
     kvplan.load(model, str(out))

@@ -288,6 +288,7 @@ def report(plan_path, importance: bool = True, seed: int = 0, context_lengths: S
     rep["modalities"] = mods
     rep["labelling"] = plan.labelling  # the token labelling it was searched with (kvplan.Labelling name)
     rep["quantizer"] = dataclasses.asdict(plan.quantizer)
+    rep["error_feedback"] = plan.feedback_metric is not None  # slot codes chosen by error feedback
     rep["provenance"] = dataclasses.asdict(plan.provenance)
     rep["budget"] = {"target_bpv": plan.target_bpv,
                      "reference": {"context_len": ref.context_len, "modality_mix": dict(ref.modality_mix),

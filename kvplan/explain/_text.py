@@ -72,6 +72,10 @@ def _header(rep: dict, L: list[str]) -> None:
         L.append(f"recent copies: the {q['recent_length']} newest committed tokens also keep their residual form "
                  f"({'full precision' if rb == 16 else f'{rb}-bit per-token codes'}), read instead of their slot codes "
                  "until newer tokens commit (counted as residual bytes)")
+    if rep.get("error_feedback"):
+        L.append("error feedback: slot codes are chosen coordinate by coordinate, each rounding error pushed onto "
+                 "the coordinates not yet coded under the plan's per-head metrics (queries for keys, the output "
+                 "projection for values): the same formats and bytes as nearest-level codes")
     if q.get("key_correction_rank"):
         L.append(f"key correction: key slots marked 'correct' also store a rank-{q['key_correction_rank']} "
                  f"{q['key_correction_bits']}-bit code of their error in per-head query bases learned on the "

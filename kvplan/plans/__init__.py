@@ -10,7 +10,7 @@ default + rules), ``accounting`` (honest bpv), ``baselines``.
 from ._checks import CORRECTED, KINDS, SCHEMA_VERSION, split_codes
 from ._fields import BitRule, Provenance, QuantizerSettings, Reference
 from ._files import atomic_write_text
-from ._keybasis import KeyBasis
+from ._keybasis import FeedbackMetric, KeyBasis
 from ._plan import Plan
 from .accounting import (BpvBreakdown, committed_length, label_runs, layout_labels, plan_bpv, plan_bytes,
                          recent_tokens, stored_runs)
@@ -24,6 +24,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "BitRule",
     "BpvBreakdown",
+    "FeedbackMetric",
     "KeyBasis",
     "Plan",
     "Provenance",

@@ -18,10 +18,11 @@ from ..models.modality import TOKEN_IDS_NAME
 from ._checks import (DEFAULT_MODALITY, KINDS, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS, SCHEMA_VERSION,
                       check_choice, check_int, check_keys, check_list, check_str, is_int, is_num)
 from ._fields import BitRule, Provenance, QuantizerSettings, Reference, check_correction_rank
-from ._keybasis import KeyBasis
+from ._keybasis import FeedbackMetric, KeyBasis
 from ._rope import parse_rope_inv_freq
 
-_TOP = ["name", "modalities", "labelling", "quantizer", "budget", "provenance", "metrics", "key_basis", "rope_inv_freq"]
+_TOP = ["name", "modalities", "labelling", "quantizer", "budget", "provenance", "metrics", "key_basis", "rope_inv_freq",
+        "feedback_metric"]
 _QUANTIZER = ["group_size", "key_axis", "value_axis", "residual_length", "sink_length", "key_correction_rank",
               "key_correction_bits", "rotation", "key_pre_rope"]
 # quantizer keys that schema version 2 added (slot formats, kvplan.kernels.formats)
@@ -63,6 +64,12 @@ def plan_fields(d) -> dict:
     check_keys(budget, "budget", [], ["target_bpv", "reference", "bpv"])
     rank = quantizer.key_correction_rank
     check_correction_rank(rank, geometry.head_dim)  # before key_basis.shape is compared with it
+    feedback_metric = None
+    if "feedback_metric" in d:  # schema version 6: the error-feedback encoder's metrics
+        if version < 6:
+            raise PlanError("feedback_metric", f"needs schema_version 6 (the file says {version})", show_value=False)
+        feedback_metric = FeedbackMetric.from_dict(d["feedback_metric"], expected_shape=(
+            geometry.num_layers, 2, geometry.num_kv_heads, geometry.head_dim, geometry.head_dim))
     key_basis = None
     if "key_basis" in d:
         want = (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, rank) if rank else None
@@ -71,7 +78,7 @@ def plan_fields(d) -> dict:
                 rules=rules, target_bpv=budget.get("target_bpv"), reference=_reference(budget.get("reference", {})),
                 provenance=_provenance(d.get("provenance", {})), metrics=d.get("metrics", {}), name=name, key_basis=key_basis,
                 rope_inv_freq=parse_rope_inv_freq(d["rope_inv_freq"]) if "rope_inv_freq" in d else None,
-                labelling=labelling)
+                labelling=labelling, feedback_metric=feedback_metric)
 
 
 def check_stated_bpv(plan, stated) -> None:
@@ -93,8 +100,9 @@ def _schema_version(ver) -> int:
     """The file's schema version: 1 (read with every slot in the v1 format: fp16 min-max scales and
     zero-points, uniform codes), 2 (adds ``quantizer.key_scaling`` / ``value_scaling`` / ``codebooks``)
     3 (adds ``quantizer.residual_bits``; older files hold their residual at full precision), 4 (adds
-    ``quantizer.recent_length``; older files keep no copies of committed tokens) or 5 (adds
-    ``quantizer.sink_bits``; older files hold their sink positions as written). Writers
+    ``quantizer.recent_length``; older files keep no copies of committed tokens), 5 (adds
+    ``quantizer.sink_bits``; older files hold their sink positions as written) or 6 (adds
+    ``feedback_metric``; older files' codes are rounded to the nearest level). Writers
     always write the newest version."""
     if not is_int(ver):
         raise PlanError("schema_version", "must be an integer", ver)

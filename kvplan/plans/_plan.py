@@ -28,7 +28,7 @@ from ._checks import (DEFAULT_MODALITY, KINDS, MAX_DEPTH, MAX_KV_UNITS, MAX_MODA
 from ._compress import compress, flat_rules
 from ._fields import BitRule, Provenance, QuantizerSettings, Reference, check_correction_rank
 from ._files import atomic_write_text, check_size, decode_plan_bytes, read_plan_bytes
-from ._keybasis import KeyBasis
+from ._keybasis import FeedbackMetric, KeyBasis
 from ._parse import check_stated_bpv, plan_fields
 from ._rope import as_floats, check_rope_inv_freq, layer_rope_inv_freq, normalize_rope_inv_freq, rope_to_yaml
 from ._yaml import dump_plan_yaml, parse_plan_yaml
@@ -59,6 +59,9 @@ class Plan:
     # name of the token labelling the plan was searched with (kvplan.Labelling); kvplan.load
     # refuses the plan under another one
     labelling: str = TOKEN_IDS_NAME
+    # metrics [L, 2, H_kv, D, D] of the error-feedback encoder (kvplan.kernels.feedback); None:
+    # codes are rounded to the nearest level
+    feedback_metric: FeedbackMetric | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "modalities", tuple(self.modalities))
@@ -66,6 +69,8 @@ class Plan:
         object.__setattr__(self, "rules", tuple(self.rules))
         if self.key_basis is not None and not isinstance(self.key_basis, KeyBasis):
             object.__setattr__(self, "key_basis", KeyBasis(self.key_basis))
+        if self.feedback_metric is not None and not isinstance(self.feedback_metric, FeedbackMetric):
+            object.__setattr__(self, "feedback_metric", FeedbackMetric(self.feedback_metric))
         _validate_semantics(self)
         if self.rope_inv_freq is not None:  # numbers, checked above
             object.__setattr__(self, "rope_inv_freq", as_floats(self.rope_inv_freq))
@@ -215,6 +220,8 @@ class Plan:
             d["rope_inv_freq"] = rope_to_yaml(self.rope_inv_freq)
         if self.key_basis is not None:
             d["key_basis"] = self.key_basis.to_dict()
+        if self.feedback_metric is not None:
+            d["feedback_metric"] = self.feedback_metric.to_dict()
         return d
 
     def to_yaml(self, path: str | os.PathLike | None = None, flat: bool = False) -> str:
@@ -376,6 +383,11 @@ def _validate_semantics(p: Plan) -> None:
         if p.key_basis.shape != want:
             raise PlanError("key_basis.shape", f"must be [num_layers, num_kv_heads, head_dim, key_correction_rank] = "
                             f"{list(want)}", list(p.key_basis.shape))
+    if p.feedback_metric is not None:
+        want = (g.num_layers, 2, g.num_kv_heads, g.head_dim, g.head_dim)
+        if p.feedback_metric.shape != want:
+            raise PlanError("feedback_metric.shape", f"must be {FeedbackMetric.AXES} = {list(want)}",
+                            list(p.feedback_metric.shape))
     if p.quantizer.rotation == "hadamard" and not hadamard_fits(g.head_dim):
         raise PlanError("quantizer.rotation", f"'hadamard' needs a power-of-two head_dim; the model's is {g.head_dim}",
                         p.quantizer.rotation)

@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import CacheError, PlanError
 from ..models.geometry import Geometry
+from ..kernels.feedback import feedback_factors
 from ..kernels.rotation import Rotation, hadamard_matrix
 from ..plans import KINDS, Plan, committed_length, split_codes, stored_runs
 from ..plans._fields import SINK_AXIS
@@ -44,10 +45,16 @@ def plan_rotations(plan: Plan, device, layer: int = 0) -> dict[str, Rotation | N
     """The write/read rotation of quantized Keys and Values of ``layer`` under ``plan`` (``None``:
     none); pre-RoPE keys use that layer's RoPE frequencies (hybrid models have several bases)."""
     q = plan.quantizer
-    H = hadamard_matrix(plan.geometry.head_dim, device) if q.rotation == "hadamard" else None
-    inv_freq = (torch.tensor(plan.layer_inv_freq(layer), dtype=torch.float32, device=device) if q.key_pre_rope
-                else None)
-    return {"k": None if H is None and inv_freq is None else Rotation(H, inv_freq),
+    return layer_rotations(plan.geometry.head_dim, q.rotation, plan.layer_inv_freq(layer) if q.key_pre_rope else None,
+                           device)
+
+
+def layer_rotations(head_dim: int, rotation: str, inv_freq, device) -> dict[str, Rotation | None]:
+    """:func:`plan_rotations` from the settings: ``rotation`` ("hadamard" / "none") and the
+    layer's RoPE inverse frequencies ``inv_freq`` when keys are stored pre-RoPE (else None)."""
+    H = hadamard_matrix(head_dim, device) if rotation == "hadamard" else None
+    inv = None if inv_freq is None else torch.tensor(inv_freq, dtype=torch.float32, device=device)
+    return {"k": None if H is None and inv is None else Rotation(H, inv),
             "v": None if H is None else Rotation(H)}
 
 
@@ -90,6 +97,8 @@ class KVPlanLayer(CacheLayerMixin):
         self.committed = 0
         self.key_basis: torch.Tensor | None = None  # [H_kv, D, r] fp32 when the plan corrects keys
         self.rotation: dict[str, Rotation | None] = {"k": None, "v": None}  # per kind, quantized blocks only
+        # per kind: the error-feedback encoder's (U [H_kv, D, D], order [H_kv, D]) (empty: plan has no metric)
+        self.feedback: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._nonfinite: torch.Tensor | None = None  # CUDA: bool device flag, non-finite states since the last commit
 
     # ------------------------------------------------------------------ Cache layer API
@@ -113,6 +122,10 @@ class KVPlanLayer(CacheLayerMixin):
         self.key_basis = (None if basis is None else
                           torch.from_numpy(basis.array[self.layer_idx].astype("float32")).to(self.device))
         self.rotation = plan_rotations(self.owner.plan, self.device, self.layer_idx)
+        metric = self.owner.plan.feedback_metric
+        self.feedback = {} if metric is None else {
+            kind: feedback_factors(torch.from_numpy(metric.array[self.layer_idx, i].astype("float32")).to(self.device))
+            for i, kind in enumerate(KINDS)}
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -365,9 +378,12 @@ class KVPlanLayer(CacheLayerMixin):
                     xh = x if len(heads) == x.shape[1] else x[:, list(heads)]
                     bits, corrected = split_codes(code)
                     basis = self.key_basis[list(heads)] if corrected else None
+                    fb = self.feedback.get(kind)
+                    if fb is not None and len(heads) != fb[0].shape[0]:
+                        fb = (fb[0][list(heads)], fb[1][list(heads)])
                     blocks.append(PackedBlock.encode(xh, heads, bits, q.axis(kind), q.group_size, start, basis,
                                                      q.key_correction_bits, self.rotation[kind], range_flag,
-                                                     q.format(kind, bits)))
+                                                     q.format(kind, bits), fb))
                 new[kind].append((label, start, length, blocks))
         if range_flag is not None and bool(range_flag.item()):  # host sync (CUDA, once per commit; see above)
             raise ValueError("KV values exceed the fp16 range of the stored scales/zero-points; cannot quantize "

@@ -35,6 +35,7 @@ from ..kernels import FULL_PRECISION_BITS
 from ..kernels import dequantize as _dequantize
 from ..kernels import dequantize_into as _dequantize_into
 from ..kernels import quantize as _quantize
+from ..kernels.feedback import quantize_with_feedback
 from ..kernels.formats import Format
 from ..kernels.rotation import Rotation
 
@@ -75,7 +76,8 @@ class PackedBlock:
     @classmethod
     def encode(cls, x: torch.Tensor, heads, bits, axis, group_size, start: int, basis: torch.Tensor | None = None,
                correction_bits: int = 4, rotation: Rotation | None = None,
-               range_flag: torch.Tensor | None = None, fmt: Format | None = None) -> "PackedBlock":
+               range_flag: torch.Tensor | None = None, fmt: Format | None = None,
+               feedback: tuple[torch.Tensor, torch.Tensor] | None = None) -> "PackedBlock":
         """Quantize ``x [B, h, T, D]`` (tokens starting at absolute position ``start``).
 
         With ``rotation`` the codes hold ``rotation.forward(x, start)`` (full-precision blocks
@@ -83,15 +85,21 @@ class PackedBlock:
         also stores the key correction: ``Uᵀ (x - x̂)`` quantized at ``correction_bits`` in the
         same token groups, ``x̂`` being the read after the inverse rotation. ``range_flag``: see
         :func:`kvplan.kernels.quantize` (CUDA: the fp16-range check without a host sync).
-        ``fmt``: the slot format (default v1; the correction code is always v1).
+        ``fmt``: the slot format (default v1; the correction code is always v1). ``feedback``:
+        ``(U [h, D, D], order [h, D])`` of :func:`kvplan.kernels.feedback.feedback_factors`: the
+        codes are chosen by error feedback (same scales and bytes; None: nearest level).
         """
         T, D = x.shape[-2], x.shape[-1]
         offset = start % group_size if axis == "channel" else 0
         if bits == FULL_PRECISION_BITS:
             return cls(tuple(heads), bits, axis, group_size, 0, T, D, x.contiguous(), position=start)
         fmt = None if fmt is None or fmt.legacy else fmt
-        codes, scale, zero = _quantize(x if rotation is None else rotation.forward(x, start), bits, group_size, axis,
-                                       offset, range_flag, fmt)
+        stored = x if rotation is None else rotation.forward(x, start)  # [B, h, T, D] in the stored frame
+        if feedback is None:
+            codes, scale, zero = _quantize(stored, bits, group_size, axis, offset, range_flag, fmt)
+        else:
+            codes, scale, zero = quantize_with_feedback(stored, bits, group_size, axis, offset, *feedback,
+                                                        range_flag=range_flag, fmt=fmt)
         block = cls(tuple(heads), bits, axis, group_size, offset, T, D, codes, scale, zero, position=start,
                     rotation=rotation, fmt=fmt)
         if basis is not None:

@@ -85,7 +85,8 @@ from .budget import (
     parse_budget,
     repair,
 )
-from .key_basis import query_basis
+from .feedback_metric import feedback_metric, output_projections
+from .key_basis import basis_of_moments, query_second_moments
 from .sensitivity import DEFAULT_HEAD_UNITS, correction_factor, recent_factor, run_profile, slot_sensitivity
 from .space import (DEFAULT_BITS, DEFAULT_FORMATS, DEFAULT_GROUP_SIZES, DEFAULT_KEY_AXES, DEFAULT_KEY_CORRECTION_RANK,
                     DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS, DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS,
@@ -633,7 +634,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            key_correction_bits: int = 4, rotation: str | None = None, key_pre_rope: bool | None = None,
            key_scaling: str | None = None, value_scaling: str | None = None, codebooks: Sequence[str] | None = None,
            residual_bits: int = DEFAULT_RESIDUAL_BITS, recent_lengths: Sequence[int] = DEFAULT_RECENT_LENGTHS,
-           sink_bits: int = DEFAULT_SINK_BITS, pareto: bool = False, profile: bool | Mapping[str, float] = True,
+           sink_bits: int = DEFAULT_SINK_BITS, error_feedback: bool | None = None, pareto: bool = False, profile: bool | Mapping[str, float] = True,
            profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
            surrogate_offset: bool = True,
            n_candidates: int = 4, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
@@ -679,6 +680,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     (the newest committed tokens keep a residual-precision copy that reads use; paid in bpv).
     ``sink_bits``: how every searched plan holds its attention-sink positions (``quantizer.sink_bits``: 16
     as written, 8 per-token codes in the slots' rotated frame; default ``DEFAULT_SINK_BITS``).
+    ``error_feedback``: every searched plan carries a ``feedback_metric`` (learned from the same
+    calibration queries and the model's output projections, :mod:`.feedback_metric`) and its slot
+    codes are chosen by error feedback (:mod:`kvplan.kernels.feedback`: same formats and bytes);
+    ``None`` (default): on when the scorer can provide calibration queries.
 
     ``surrogate``: screen candidates with the random forest (``False``: every proposal is
     evaluated). ``surrogate_offset``: the forest learns log-KL minus the log of the profile's
@@ -742,6 +747,11 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     has_queries = hasattr(scorer, "model") and hasattr(scorer, "calibration_sequences")
     if key_correction_rank is None:
         key_correction_rank = DEFAULT_KEY_CORRECTION_RANK if has_queries else 0
+    if error_feedback is None:
+        error_feedback = has_queries
+    if error_feedback and not has_queries:
+        raise KVPlanError("error_feedback needs a scorer with .model and .calibration_sequences() to learn the "
+                          "metrics from (the built-in harness scorer has both); pass error_feedback=False")
     if key_correction_rank and not has_queries:
         raise KVPlanError("key_correction_rank > 0 needs a scorer with .model and .calibration_sequences() to "
                           "learn the query bases from (the built-in harness scorer has both); pass "
@@ -766,13 +776,13 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     value_scaling = DEFAULT_FORMATS["value_scaling"] if value_scaling is None else value_scaling
     codebooks = tuple(DEFAULT_FORMATS["codebooks"] if codebooks is None else codebooks)
 
-    def make_space(key_basis):
+    def make_space(key_basis, feedback_metric=None):
         return SearchSpace(geometry, modalities, granularity, bits, group_sizes, residual_lengths, key_axes,
                            sink_lengths=sink_lengths, key_basis=key_basis, key_correction_bits=key_correction_bits,
                            rotation=rotation, rope_inv_freq=inv_freq if key_pre_rope else None,
                            key_scaling=key_scaling, value_scaling=value_scaling, codebooks=codebooks,
                            labelling=labelling_name, residual_bits=residual_bits, recent_lengths=recent_lengths,
-                           sink_bits=sink_bits)
+                           sink_bits=sink_bits, feedback_metric=feedback_metric)
 
     BpvModel(make_space(None), reference).check_budget(min(budgets))  # before any study or basis work
     data_hash = getattr(scorer, "data_hash", None)
@@ -816,6 +826,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                   # only when set: studies made before the field existed stay joinable
                   **({"residual_bits": residual_bits} if residual_bits != FULL_PRECISION_BITS else {}),
                   **({"sink_bits": sink_bits} if sink_bits != FULL_PRECISION_BITS else {}),
+                  **({"error_feedback": True} if error_feedback else {}),
                   **({"recent_lengths": sorted(set(recent_lengths))} if tuple(recent_lengths) != (0,) else {})}})
     _check_identity(study, identity, study_name, label)
     owner = {**owner_attrs(), "worker": worker, "data_hash": data_hash}
@@ -833,7 +844,7 @@ def locals_for_run(ns: dict) -> dict:
             "scorer", "validation_scorer", "test_scorer", "reference", "budgets", "multi", "granularity",
             "key_correction_rank", "profile", "profile_head_units", "progress", "seed", "sampler_seed", "n_trials",
             "surrogate", "n_candidates", "n_local", "top_k", "n_startup", "kappa", "surrogate_offset", "baselines",
-            "final_candidates", "out", "finalize", "geometry", "t_start")
+            "final_candidates", "out", "finalize", "geometry", "t_start", "error_feedback")
     return {k: ns[k] for k in keys}
 
 
@@ -859,7 +870,7 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
                validation_scorer, test_scorer, reference, budgets, multi, granularity, key_correction_rank, profile,
                profile_head_units, progress, seed, sampler_seed, n_trials, surrogate, n_candidates, n_local, top_k,
                n_startup, kappa, surrogate_offset, baselines, final_candidates, out, finalize, geometry,
-               t_start) -> SearchResult:
+               t_start, error_feedback) -> SearchResult:
     import sys
 
     def say(msg: str) -> None:
@@ -872,16 +883,28 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
         """Once per study: the key-correction bases and the sensitivity profile, shared by all workers."""
         nonlocal n_profile_evals
         attrs = study.user_attrs
-        basis = None
-        if key_correction_rank:
-            if "kvplan.key_basis" in attrs and attrs["kvplan.key_basis"] is not None:
-                basis = decode_array(attrs["kvplan.key_basis"])
-            else:  # float32 [L, H_kv, D, r]; every worker uses these exact bytes
-                # in as many processes as the scorer scores its samples in (same basis with any)
-                basis = query_basis(scorer.model, scorer.calibration_sequences(), key_correction_rank,
-                                    processes=getattr(getattr(scorer, "processes", None), "processes", 1))
+        basis = metric = None
+        if key_correction_rank and attrs.get("kvplan.key_basis") is not None:
+            basis = decode_array(attrs["kvplan.key_basis"])
+        if error_feedback and attrs.get("kvplan.feedback_metric") is not None:
+            metric = decode_array(attrs["kvplan.feedback_metric"])
+        if (key_correction_rank and basis is None) or (error_feedback and metric is None):
+            # one pass over the calibration samples for both; every worker uses these exact bytes, in
+            # as many processes as the scorer scores its samples in (the same sums with any)
+            moments = query_second_moments(scorer.model, scorer.calibration_sequences(),
+                                           processes=getattr(getattr(scorer, "processes", None), "processes", 1))
+            if key_correction_rank and basis is None:  # float32 [L, H_kv, D, r]
+                basis = basis_of_moments(moments, key_correction_rank)
+            if error_feedback and metric is None:  # float32 [L, 2, H_kv, D, D]
+                projections = output_projections(scorer.model, geometry.num_layers)
+                if projections is None:
+                    say("error feedback: the model's attention has no o_proj; values get an identity metric "
+                        "(nearest-level codes)")
+                metric = feedback_metric(moments, projections, make_space(None).rotations, reference.context_len)
         study.set_user_attr("kvplan.key_basis", encode_array(np.asarray(basis)) if basis is not None else None)
-        space = make_space(basis)
+        study.set_user_attr("kvplan.feedback_metric", encode_array(np.asarray(metric, dtype=np.float16))
+                           if metric is not None else None)
+        space = make_space(basis, metric)
         prof = attrs.get("kvplan.profile")
         if isinstance(profile, Mapping):
             prof = {str(k): float(v) for k, v in profile.items()}
@@ -919,8 +942,9 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
 
     run_once(study, "setup", "kvplan.ready", setup, owner, hb, persistent, on_wait=waiting_for("sensitivity profile"))
     attrs = study.user_attrs
-    basis_attr = attrs.get("kvplan.key_basis")
-    space = make_space(decode_array(basis_attr) if basis_attr else None)
+    basis_attr, metric_attr = attrs.get("kvplan.key_basis"), attrs.get("kvplan.feedback_metric")
+    space = make_space(decode_array(basis_attr) if basis_attr else None,
+                       decode_array(metric_attr) if metric_attr else None)
     bmodel = BpvModel(space, reference)
     for b in budgets:
         bmodel.check_budget(b)

@@ -89,7 +89,11 @@ def query_basis(model, sequences: Iterable[Sequence[int]], rank: int, processes:
     """Top-``rank`` eigenvectors of the query second moments: float32 ``[L, H_kv, D, rank]``
     (columns in decreasing eigenvalue order, each with its largest entry positive so the
     result is reproducible); ``processes``: see :func:`query_second_moments`."""
-    moments = query_second_moments(model, sequences, processes)
+    return basis_of_moments(query_second_moments(model, sequences, processes), rank)
+
+
+def basis_of_moments(moments: np.ndarray, rank: int) -> np.ndarray:
+    """:func:`query_basis` from query second moments ``[L, H_kv, D, D]``."""
     D = moments.shape[-1]
     if not 1 <= rank <= D:
         raise KVPlanError(f"key correction rank {rank} must be in [1, head_dim={D}]")

@@ -34,8 +34,9 @@ from ..kernels.qtypes import FULL_PRECISION_BITS, GROUP_SIZES, SUPPORTED_BITS
 from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
 from ..models.modality import TOKEN_IDS_NAME
-from ..plans import CORRECTED, KINDS, KVTUNER_PAIRS, KeyBasis, Plan, Provenance, QuantizerSettings, Reference
-from ..plans._rope import as_floats, normalize_rope_inv_freq
+from ..plans import (CORRECTED, KINDS, KVTUNER_PAIRS, FeedbackMetric, KeyBasis, Plan, Provenance, QuantizerSettings,
+                     Reference)
+from ..plans._rope import as_floats, layer_rope_inv_freq, normalize_rope_inv_freq
 
 GRANULARITIES = ("slot", "layer_kv", "layer", "kvtuner")
 DEFAULT_BITS = (2, 3, 4, 8, 16)
@@ -103,7 +104,8 @@ class SearchSpace:
                  rope_inv_freq: Sequence[float] | None = None, key_scaling: str = "minmax-fp16",
                  value_scaling: str = "minmax-fp16", codebooks: Sequence[str] = (),
                  labelling: str = TOKEN_IDS_NAME, residual_bits: int = FULL_PRECISION_BITS,
-                 recent_lengths: Sequence[int] = (0,), sink_bits: int = FULL_PRECISION_BITS):
+                 recent_lengths: Sequence[int] = (0,), sink_bits: int = FULL_PRECISION_BITS,
+                 feedback_metric=None):
         if granularity not in GRANULARITIES:
             raise KVPlanError(f"granularity {granularity!r} is not one of {list(GRANULARITIES)}")
         bits = tuple(sorted(set(int(b) for b in bits)))
@@ -133,6 +135,8 @@ class SearchSpace:
         self.shape = (geometry.num_layers, geometry.num_kv_heads, 2, len(self.modalities))
         # key correction: one basis [L, H_kv, D, r] for every plan of the space (None: off)
         self.key_basis = None if key_basis is None else KeyBasis(key_basis)
+        # error-feedback metrics [L, 2, H_kv, D, D] every plan of the space carries (None: off)
+        self.feedback_metric = None if feedback_metric is None else FeedbackMetric(feedback_metric)
         self.key_correction = {} if key_basis is None else {
             "key_correction_rank": self.key_basis.shape[-1], "key_correction_bits": key_correction_bits}
         # rotations (kvplan.kernels.rotation): fixed for every plan of the space; keys in the
@@ -304,7 +308,15 @@ class SearchSpace:
         return Plan.from_table(table, self.geometry, self.modalities, quantizer=quantizer, reference=reference,
                                key_basis=self.key_basis if quantizer.key_correction_rank else None,
                                rope_inv_freq=self.rope_inv_freq if quantizer.key_pre_rope else None,
-                               **{"labelling": self.labelling, **kwargs})
+                               feedback_metric=self.feedback_metric, **{"labelling": self.labelling, **kwargs})
+
+    def rotations(self, layer: int, device="cpu") -> dict:
+        """The write rotations of ``layer``'s quantized keys and values in every plan of the space
+        (``kvplan.runtime.cache.plan_rotations`` of such a plan)."""
+        from ..runtime.cache import layer_rotations  # not at import: the runtime pulls in transformers
+
+        inv_freq = layer_rope_inv_freq(self.rope_inv_freq, self.geometry, layer)
+        return layer_rotations(self.geometry.head_dim, self.fixed_fields["rotation"], inv_freq, device)
 
     def describe(self) -> dict:
         """JSON-able description (written beside exported plans)."""
@@ -316,6 +328,8 @@ class SearchSpace:
                             "value_scaling": self.fixed_fields["value_scaling"],
                             "codebooks": list(self.codebook_kinds)},
                 "residual_bits": self.fixed_fields["residual_bits"], "sink_bits": self.fixed_fields["sink_bits"],
+                **({"error_feedback": {"metric_sha256": hashlib.sha256(self.feedback_metric.array.tobytes()).hexdigest()[:16]}}
+                   if self.feedback_metric is not None else {}),
                 **({"recent_lengths": list(self.recent_lengths)} if self.recent_lengths != (0,) else {}),
                 "value_axis": self.value_axis, "modalities": list(self.modalities), "shape": list(self.shape),
                 "n_params": len(self.distributions()), "pairs": [list(p) for p in self.pairs]}

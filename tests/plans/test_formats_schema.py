@@ -14,7 +14,7 @@ import yaml
 import kvplan
 from kvplan import Geometry, Plan, PlanError, uniform_plan
 from kvplan.kernels.formats import default_codebook
-from kvplan.plans import _parse
+from kvplan.plans import SCHEMA_VERSION, _parse
 from tests.tiny_models import tiny_llama
 
 GEOM = Geometry(2, 2, 16, ("full", "full"), "llama")
@@ -32,7 +32,7 @@ def test_round_trip_keeps_formats(tmp_path):
     path = tmp_path / "p.yaml"
     plan.to_yaml(path)
     doc = yaml.safe_load(path.read_text())
-    assert doc["schema_version"] == 5 and "residual_bits" not in doc["quantizer"]  # 16: the default, not written
+    assert doc["schema_version"] == SCHEMA_VERSION and "residual_bits" not in doc["quantizer"]  # 16: the default, not written
     assert "recent_length" not in doc["quantizer"]  # 0: the default, not written
     assert doc["quantizer"]["value_scaling"] == "absmax-e4m3"
     assert doc["quantizer"]["codebooks"]["v"][3] == list(default_codebook(3, "absmax-e4m3", 16))
@@ -56,7 +56,7 @@ def test_version_1_file_migrates_to_v1_formats(tmp_path):
     assert old.quantizer.residual_bits == 16
     assert old.bpv() == plan.bpv()
     assert old.quantizer.recent_length == 0
-    assert old.to_dict()["schema_version"] == 5
+    assert old.to_dict()["schema_version"] == SCHEMA_VERSION
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -108,7 +108,7 @@ def test_recent_length_round_trips_and_a_version_3_file_with_it_is_refused(tmp_p
     path = tmp_path / "p.yaml"
     plan.to_yaml(path)
     doc = yaml.safe_load(path.read_text())
-    assert doc["schema_version"] == 5 and doc["quantizer"]["recent_length"] == 16
+    assert doc["schema_version"] == SCHEMA_VERSION and doc["quantizer"]["recent_length"] == 16
     back = Plan.from_yaml(path)
     assert back.quantizer == plan.quantizer and back.bpv() == plan.bpv()
     _assert_new_key_refused(doc, path, "recent_length", 4, -1, r"quantizer\.recent_length")
@@ -120,7 +120,7 @@ def test_sink_bits_round_trips_and_a_version_4_file_with_it_is_refused(tmp_path)
     path = tmp_path / "p.yaml"
     plan.to_yaml(path)
     doc = yaml.safe_load(path.read_text())
-    assert doc["schema_version"] == 5 and doc["quantizer"]["sink_bits"] == 8
+    assert doc["schema_version"] == SCHEMA_VERSION and doc["quantizer"]["sink_bits"] == 8
     back = Plan.from_yaml(path)
     assert back.quantizer == plan.quantizer and back.bpv() == plan.bpv() and back.bpv().total < base.bpv().total
     assert "sink_bits" not in base.to_dict()["quantizer"]  # 16: the default, not written
@@ -153,7 +153,7 @@ def test_version_1_file_with_version_2_keys_is_refused(tmp_path):
         Plan.from_yaml(path)
 
 
-@pytest.mark.parametrize("reader", [1, 2, 3, 4])
+@pytest.mark.parametrize("reader", [1, 2, 3, 4, 5])
 def test_an_older_reader_says_newer_schema(tmp_path, monkeypatch, reader):
     path = tmp_path / "p.yaml"
     _formats_plan().to_yaml(path)
@@ -239,3 +239,52 @@ def test_bad_reference_layout_names_its_entry(layout, msg, tmp_path):
     path.write_text(yaml.safe_dump(doc))
     with pytest.raises(PlanError, match=msg):
         Plan.from_yaml(path)
+
+
+def _metric(geom, seed=0):
+    """SPD metrics [L, 2, H_kv, D, D] (fp16-exact symmetric)."""
+    a = np.random.default_rng(seed).standard_normal((geom.num_layers, 2, geom.num_kv_heads, geom.head_dim, 4))
+    m = a @ np.swapaxes(a, -1, -2) / 4 + np.eye(geom.head_dim)
+    return m.astype(np.float16)
+
+
+def test_feedback_metric_round_trips_as_upper_triangles_and_a_version_5_file_with_it_is_refused(tmp_path):
+    base = uniform_plan(GEOM, 2, 2, group_size=32, residual_length=0)
+    plan = base.replace(feedback_metric=_metric(GEOM))
+    path = tmp_path / "p.yaml"
+    plan.to_yaml(path)
+    doc = yaml.safe_load(path.read_text())
+    D = GEOM.head_dim
+    assert doc["feedback_metric"]["shape"] == [GEOM.num_layers, 2, GEOM.num_kv_heads, D, D]
+    assert len(__import__("base64").b64decode(doc["feedback_metric"]["base64"])) == (
+        2 * GEOM.num_layers * 2 * GEOM.num_kv_heads * D * (D + 1) // 2)  # the upper triangles, fp16
+    back = Plan.from_yaml(path)
+    assert back.feedback_metric == plan.feedback_metric and back.bpv() == base.bpv()
+    assert "feedback_metric" not in base.to_dict()
+    doc["schema_version"] = 5
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=r"feedback_metric: needs schema_version 6 \(the file says 5\)"):
+        Plan.from_yaml(path)
+
+
+@pytest.mark.parametrize("edit,msg", [
+    (lambda d: d.update(shape=[d["shape"][0], 2, d["shape"][2], 8, 8]),
+     r"feedback_metric\.shape: must be \[num_layers, 2, num_kv_heads, head_dim, head_dim\] = \[2, 2, 2, 16, 16\]"),
+    (lambda d: d.update(base64=d["base64"][:-8]), r"feedback_metric\.base64: decodes to"),
+    (lambda d: d.update(dtype="float32"), r"feedback_metric\.dtype: must be one of"),
+])
+def test_a_bad_feedback_metric_names_its_key(edit, msg, tmp_path):
+    doc = uniform_plan(GEOM, 2, 2).replace(feedback_metric=_metric(GEOM)).to_dict()
+    edit(doc["feedback_metric"])
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=msg):
+        Plan.from_yaml(path)
+
+
+def test_a_metric_that_is_not_positive_definite_is_refused_naming_its_slot():
+    m = _metric(GEOM)
+    m[1, 1, 0] = -m[1, 1, 0]
+    with pytest.raises(PlanError, match=r"feedback_metric\[1\]\[1\]\[0\]: must be positive definite \(layer 1, v, "
+                                        r"KV head 0\)"):
+        uniform_plan(GEOM, 2, 2).replace(feedback_metric=m)

@@ -147,3 +147,30 @@ def test_hadamard_on_a_non_power_of_two_head_dim_fails_at_once():
     with pytest.raises(KVPlanError, match="power-of-two head_dim; this model's is 48"):
         SearchSpace(g, MODS, "slot", rotation="hadamard")
     assert SearchSpace(g, MODS, "slot").fixed_fields["rotation"] == "none"
+
+
+def test_error_feedback_metric_is_learned_exported_and_can_be_turned_off(model, tmp_path):
+    """Default with a model: every scored plan (profile included) and the export carry the metric learned
+    from the calibration queries and o_proj; explain says so; error_feedback=False carries none; a scorer
+    without a model cannot learn one."""
+    from kvplan.runtime.cache import plan_rotations
+    from kvplan.search.feedback_metric import feedback_metric, output_projections
+    from kvplan.search.key_basis import query_second_moments
+
+    sc = RecordingScorer(model)
+    out = tmp_path / "plan.yaml"
+    on = search(budget="2.6bpv", n_trials=3, scorer=sc, out=out, profile_head_units=0, **FAST)
+    plan = Plan.from_yaml(out)
+    assert plan.feedback_metric is not None and plan.feedback_metric == on.plan.feedback_metric
+    assert all(p.feedback_metric == plan.feedback_metric for p in sc.scored)
+    want = feedback_metric(query_second_moments(model, sc.calibration_sequences()), output_projections(model, 6),
+                           lambda layer: plan_rotations(plan, "cpu", layer), REF.context_len)
+    np.testing.assert_array_equal(plan.feedback_metric.array, want.astype(np.float16))
+    assert "error feedback: slot codes are chosen" in explain(out)
+    assert json.loads(out.with_suffix(".search.json").read_text())["space"]["error_feedback"]["metric_sha256"]
+    off = search(budget="2.6bpv", n_trials=3, scorer=CorrectionScorer(model), out=None, profile=False,
+                 error_feedback=False, **FAST)
+    assert off.plan.feedback_metric is None
+    with pytest.raises(KVPlanError, match="error_feedback=False"):
+        search(budget="2.6bpv", n_trials=3, scorer=SyntheticScorer(), out=None, profile=False, error_feedback=True,
+               key_correction_rank=0, **FAST)

@@ -1,0 +1,70 @@
+"""Error-feedback encoding (GPTQ / OBQ-style) of slot codes: same format, same bytes, better codes.
+
+Rounding each coordinate of a KV vector to its nearest level ignores what reads the vector. The
+error of a key is seen through queries (logit error ``qᵀ e``), the error of a value through the
+output projection (``W_o e``): both are quadratic forms ``eᵀ M e`` with a per-head metric ``M
+[D, D]`` (the plan's ``feedback_metric``, in the slots' stored frame). Encoding coordinates one by
+one and pushing each one's rounding error onto the coordinates not yet coded, along ``M⁻¹``
+(Frantar et al., GPTQ; its Cholesky form), lowers ``eᵀ M e`` at the same bits.
+
+Only the encoder changes: the scales / zero-points are the format's, computed from the vector as
+written (so the byte count and every decode route stay as they are); the codes are the ones
+error feedback picks among that format's levels. Coordinates are coded in decreasing order of
+``diag(M)`` (GPTQ's act-order). Pure PyTorch on every device: the scales come from
+:func:`kvplan.kernels.quantize` (Triton on CUDA for the v1 format), the codes from this loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import quantize
+from .formats import Format
+from .reference import _per_value, pack_codes
+
+
+def feedback_factors(metric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head ``(U, order)`` from metrics ``[h, D, D]`` (symmetric positive definite):
+    ``order [h, D]`` codes coordinates by decreasing diagonal, ``U [h, D, D]`` fp32 is the upper
+    Cholesky factor of the inverse of the metric permuted to that order."""
+    m = metric.double()
+    order = torch.argsort(-torch.diagonal(m, dim1=-2, dim2=-1), dim=-1, stable=True)  # [h, D]
+    m = torch.gather(torch.gather(m, -2, order.unsqueeze(-1).expand_as(m)), -1, order.unsqueeze(-2).expand_as(m))
+    factor = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(m)), upper=True)
+    return factor.float(), order
+
+
+def quantize_with_feedback(x: torch.Tensor, bits: int, group_size: int, axis: str, start_offset: int,
+                           factor: torch.Tensor, order: torch.Tensor, range_flag: torch.Tensor | None = None,
+                           fmt: Format | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`kvplan.kernels.quantize` of ``x [B, h, T, D]`` (in the stored frame) with codes chosen
+    by error feedback under ``(factor, order)`` of :func:`feedback_factors` (one per head of
+    ``x``); same ``(packed codes, scale, zero)`` layout and scales."""
+    _, scale, zero = quantize(x, bits, group_size, axis, start_offset, range_flag, fmt)
+    B, h, T, D = x.shape
+    legacy = fmt is None or fmt.legacy
+    levels = None if legacy else fmt.level_units(x.device)
+    if levels is None:  # uniform min-max levels: code c reads c * scale + zero
+        levels = torch.arange(1 << bits, dtype=torch.float32, device=x.device)
+    mids = (levels[1:] + levels[:-1]) / 2
+    idx = order.view(1, h, 1, D).expand(B, h, T, D)
+    xs = torch.gather(x.float(), -1, idx)  # [B, h, T, D] in coding order; updated in place
+    s = torch.gather(_per_value(scale.float(), group_size, axis, start_offset, x.shape), -1, idx)
+    z = None if zero is None else torch.gather(_per_value(zero.float(), group_size, axis, start_offset, x.shape),
+                                               -1, idx)
+    live = s > 0  # a zero scale reads every code as the zero-point: code 0
+    safe = torch.where(live, s, torch.ones_like(s))
+    codes = torch.empty(B, h, T, D, dtype=torch.uint8, device=x.device)
+    diag = torch.diagonal(factor, dim1=-2, dim2=-1).reshape(1, h, 1, D)
+    for d in range(D):
+        u = xs[..., d] if z is None else xs[..., d] - z[..., d]
+        c = torch.bucketize(u / safe[..., d], mids)
+        c = torch.where(live[..., d], c, torch.zeros_like(c))
+        codes[..., d] = c
+        if d + 1 == D:
+            break
+        read = levels[c] * s[..., d] + (0.0 if z is None else z[..., d])  # what every route decodes
+        err = (xs[..., d] - read) / diag[..., d]  # [B, h, T]
+        xs[..., d + 1:] -= err.unsqueeze(-1) * factor[:, d, d + 1:].view(1, h, 1, D - d - 1)
+    codes = torch.empty_like(codes).scatter_(-1, idx, codes)
+    return pack_codes(codes, bits), scale, zero
