@@ -48,23 +48,27 @@ def quantize_with_feedback(x: torch.Tensor, bits: int, group_size: int, axis: st
         levels = torch.arange(1 << bits, dtype=torch.float32, device=x.device)
     mids = (levels[1:] + levels[:-1]) / 2
     idx = order.view(1, h, 1, D).expand(B, h, T, D)
-    xs = torch.gather(x.float(), -1, idx)  # [B, h, T, D] in coding order; updated in place
-    s = torch.gather(_per_value(scale.float(), group_size, axis, start_offset, x.shape), -1, idx)
-    z = None if zero is None else torch.gather(_per_value(zero.float(), group_size, axis, start_offset, x.shape),
-                                               -1, idx)
-    live = s > 0  # a zero scale reads every code as the zero-point: code 0
-    safe = torch.where(live, s, torch.ones_like(s))
-    codes = torch.empty(B, h, T, D, dtype=torch.uint8, device=x.device)
-    diag = torch.diagonal(factor, dim1=-2, dim2=-1).reshape(1, h, 1, D)
+
+    def coordinate_major(t: torch.Tensor) -> torch.Tensor:  # [B, h, T, D] -> [D, B, h, T] in coding order
+        return torch.gather(t, -1, idx).permute(3, 0, 1, 2).contiguous()
+
+    xs = coordinate_major(x.float())  # updated in place as coordinates are coded
+    s = coordinate_major(_per_value(scale.float(), group_size, axis, start_offset, x.shape))
+    z = None if zero is None else coordinate_major(_per_value(zero.float(), group_size, axis, start_offset, x.shape))
+    inv_s = torch.where(s > 0, 1.0 / s, torch.ones_like(s))
+    codes = torch.empty(D, B, h, T, dtype=torch.long, device=x.device)
+    diag = torch.diagonal(factor, dim1=-2, dim2=-1).T.reshape(D, 1, h, 1)
+    push = factor.permute(2, 1, 0).reshape(D, D, 1, h, 1)  # push[j, d] = factor[:, d, j]
     for d in range(D):
-        u = xs[..., d] if z is None else xs[..., d] - z[..., d]
-        c = torch.bucketize(u / safe[..., d], mids)
-        c = torch.where(live[..., d], c, torch.zeros_like(c))
-        codes[..., d] = c
+        u = xs[d] if z is None else xs[d] - z[d]
+        c = torch.bucketize(u * inv_s[d], mids)
+        codes[d] = c
         if d + 1 == D:
             break
-        read = levels[c] * s[..., d] + (0.0 if z is None else z[..., d])  # what every route decodes
-        err = (xs[..., d] - read) / diag[..., d]  # [B, h, T]
-        xs[..., d + 1:] -= err.unsqueeze(-1) * factor[:, d, d + 1:].view(1, h, 1, D - d - 1)
-    codes = torch.empty_like(codes).scatter_(-1, idx, codes)
+        # what every route decodes (a zero scale reads the zero-point whatever the code)
+        read = levels[c] * s[d] if z is None else torch.addcmul(z[d], levels[c], s[d])
+        err = (xs[d] - read) / diag[d]  # [B, h, T]
+        xs[d + 1:] -= push[d + 1:, d] * err
+    codes = codes.masked_fill_(s <= 0, 0).to(torch.uint8).permute(1, 2, 3, 0)  # [B, h, T, D] in coding order
+    codes = torch.empty(B, h, T, D, dtype=torch.uint8, device=x.device).scatter_(-1, idx, codes)
     return pack_codes(codes, bits), scale, zero
