@@ -55,18 +55,18 @@ def quantize_with_feedback(x: torch.Tensor, bits: int, group_size: int, axis: st
     xs = coordinate_major(x.float())  # updated in place as coordinates are coded
     s = coordinate_major(_per_value(scale.float(), group_size, axis, start_offset, x.shape))
     z = None if zero is None else coordinate_major(_per_value(zero.float(), group_size, axis, start_offset, x.shape))
-    inv_s = torch.where(s > 0, 1.0 / s, torch.ones_like(s))
+    safe = torch.where(s > 0, s, torch.ones_like(s))
     codes = torch.empty(D, B, h, T, dtype=torch.long, device=x.device)
     diag = torch.diagonal(factor, dim1=-2, dim2=-1).T.reshape(D, 1, h, 1)
     push = factor.permute(2, 1, 0).reshape(D, D, 1, h, 1)  # push[j, d] = factor[:, d, j]
     for d in range(D):
         u = xs[d] if z is None else xs[d] - z[d]
-        c = torch.bucketize(u * inv_s[d], mids)
+        c = torch.bucketize(u / safe[d], mids)
         codes[d] = c
         if d + 1 == D:
             break
         # what every route decodes (a zero scale reads the zero-point whatever the code)
-        read = levels[c] * s[d] if z is None else torch.addcmul(z[d], levels[c], s[d])
+        read = levels[c] * s[d] if z is None else levels[c] * s[d] + z[d]
         err = (xs[d] - read) / diag[d]  # [B, h, T]
         xs[d + 1:] -= push[d + 1:, d] * err
     codes = codes.masked_fill_(s <= 0, 0).to(torch.uint8).permute(1, 2, 3, 0)  # [B, h, T, D] in coding order
