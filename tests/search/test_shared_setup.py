@@ -1,4 +1,5 @@
-"""The once-per-study setup on a shared storage: the key-correction bases are learned by one
+"""The once-per-study setup on a shared storage: the key-correction bases and the error-feedback
+metrics are learned by one
 worker and stored in the study, so a worker that joins (or resumes) searches the very same
 space instead of learning its own (which on another machine could differ in the last bit)."""
 
@@ -37,3 +38,8 @@ def test_key_basis_is_learned_once_and_shared(tmp_path):
     r2 = search(n_trials=5, scorer=other, storage=storage, study_name="kb", out=None, **FAST)
     assert other.sequence_calls == 0 and r2.n_real_evals == 2
     np.testing.assert_array_equal(r2.plan.key_basis.array, r1.plan.key_basis.array)
+    # the error-feedback metric too (learned in the same pass over the calibration samples)
+    metric = decode_array(study.user_attrs["kvplan.feedback_metric"])
+    assert metric.shape == (6, 2, 2, 64, 64) and metric.dtype == np.float16
+    np.testing.assert_array_equal(r2.plan.feedback_metric.array, metric)
+    np.testing.assert_array_equal(r1.plan.feedback_metric.array, metric)
