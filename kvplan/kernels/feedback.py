@@ -10,15 +10,21 @@ one and pushing each one's rounding error onto the coordinates not yet coded, al
 Only the encoder changes: the scales / zero-points are the format's, computed from the vector as
 written (so the byte count and every decode route stay as they are); the codes are the ones
 error feedback picks among that format's levels. Coordinates are coded in decreasing order of
-``diag(M)`` (GPTQ's act-order). Pure PyTorch on every device: the scales come from
-:func:`kvplan.kernels.quantize` (Triton on CUDA for the v1 format), the codes from this loop.
+``diag(M)`` (GPTQ's act-order). The scales come from :func:`kvplan.kernels.quantize` (Triton on
+CUDA for the v1 format); the codes from a loop over the coordinates: on the CPU the native C loop
+(``kvp_feedback_codes`` in ``kernels/native/attention_cpu.c``, one call per block, the same codes bit
+for bit) when the native kernels build here (as the decode attention, :func:`kvplan.kernels.
+native_unavailable`), else, and on CUDA, the same loop in PyTorch (D steps of tensor ops per block,
+~10x slower on the CPU: ``bench/results/feedback_cost.md``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import quantize
+import ctypes
+
+from . import native_unavailable, quantize
 from .formats import Format
 from .reference import _per_value, pack_codes
 
@@ -55,8 +61,38 @@ def quantize_with_feedback(x: torch.Tensor, bits: int, group_size: int, axis: st
     xs = coordinate_major(x.float())  # updated in place as coordinates are coded
     s = coordinate_major(_per_value(scale.float(), group_size, axis, start_offset, x.shape))
     z = None if zero is None else coordinate_major(_per_value(zero.float(), group_size, axis, start_offset, x.shape))
+    if x.device.type == "cpu" and native_unavailable(D) is None:
+        codes = _native_codes(xs, s, z, levels, mids, factor, T)
+    else:
+        codes = _torch_codes(xs, s, z, levels, mids, factor)
+    codes = codes.permute(1, 2, 3, 0)  # [B, h, T, D] in coding order
+    codes = torch.empty(B, h, T, D, dtype=torch.uint8, device=x.device).scatter_(-1, idx, codes)
+    return pack_codes(codes, bits), scale, zero
+
+
+def _native_codes(xs, s, z, levels, mids, factor, T: int) -> torch.Tensor:
+    """The coding loop in C: uint8 ``[D, B, h, T]`` (see :func:`_torch_codes`)."""
+    from .native_build import native_library
+
+    D, B, h, _ = xs.shape
+    f = factor.float().contiguous()
+    lv, md = levels.float().contiguous(), mids.float().contiguous()
+    codes = torch.empty(xs.shape, dtype=torch.uint8)
+
+    def ptr(t):
+        return ctypes.c_void_p(t.data_ptr()) if t is not None else None
+
+    native_library().kvp_feedback_codes(D, B * h * T, h, T, ptr(xs), ptr(s), ptr(z), ptr(lv), ptr(md),
+                                        md.numel(), ptr(f), ptr(codes))
+    return codes
+
+
+def _torch_codes(xs, s, z, levels, mids, factor) -> torch.Tensor:
+    """The coding loop in PyTorch: uint8 codes ``[D, B, h, T]`` of ``xs [D, B, h, T]`` (coding order,
+    consumed), scales ``s`` and zero-points ``z`` per value, under ``factor [h, D, D]``."""
+    D, _, h, _ = xs.shape
     safe = torch.where(s > 0, s, torch.ones_like(s))
-    codes = torch.empty(D, B, h, T, dtype=torch.long, device=x.device)
+    codes = torch.empty(xs.shape, dtype=torch.long, device=xs.device)
     diag = torch.diagonal(factor, dim1=-2, dim2=-1).T.reshape(D, 1, h, 1)
     push = factor.permute(2, 1, 0).reshape(D, D, 1, h, 1)  # push[j, d] = factor[:, d, j]
     for d in range(D):
@@ -69,6 +105,4 @@ def quantize_with_feedback(x: torch.Tensor, bits: int, group_size: int, axis: st
         read = levels[c] * s[d] if z is None else levels[c] * s[d] + z[d]
         err = (xs[d] - read) / diag[d]  # [B, h, T]
         xs[d + 1:] -= push[d + 1:, d] * err
-    codes = codes.masked_fill_(s <= 0, 0).to(torch.uint8).permute(1, 2, 3, 0)  # [B, h, T, D] in coding order
-    codes = torch.empty(B, h, T, D, dtype=torch.uint8, device=x.device).scatter_(-1, idx, codes)
-    return pack_codes(codes, bits), scale, zero
+    return codes.masked_fill_(s <= 0, 0).to(torch.uint8)

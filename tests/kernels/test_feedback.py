@@ -67,3 +67,25 @@ def test_factors_code_the_heaviest_coordinates_first():
     perm = metric[0][order[0]][:, order[0]]
     torch.testing.assert_close(U[0].T @ U[0], torch.linalg.inv(perm), rtol=1e-5, atol=1e-6)
     assert torch.equal(U[0], torch.triu(U[0]))
+
+
+@pytest.mark.parametrize("fmt,bits,axis", FORMATS)
+@pytest.mark.parametrize("D", [64, 256])
+def test_native_loop_gives_the_torch_loops_codes(fmt, bits, axis, D, monkeypatch):
+    """The C coding loop (CPU, when the native kernels build) and the PyTorch one choose the same codes,
+    bit for bit, zero-scale groups included (a constant channel, an all-zero token)."""
+    from kvplan.kernels import native_unavailable
+
+    why = native_unavailable(D)
+    if why is not None:
+        pytest.skip(f"native kernels unavailable: {why}")
+    g = torch.Generator().manual_seed(D + bits)
+    x = torch.randn(2, 3, 45, D, generator=g) * 3
+    x[:, 1, :, 5] = 0.7
+    x[:, 2, 7, :] = 0.0
+    metric = _skewed_metric(3, D, 5)
+    args = (x, bits, 32, axis, 5 if axis == "channel" else 0, *feedback_factors(metric))
+    native = quantize_with_feedback(*args, fmt=fmt)
+    monkeypatch.setenv("KVPLAN_DISABLE_NATIVE", "1")
+    torch_loop = quantize_with_feedback(*args, fmt=fmt)
+    assert torch.equal(native[0], torch_loop[0])

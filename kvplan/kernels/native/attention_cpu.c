@@ -340,3 +340,35 @@ void kvp_value_accum(int B, int H, int T, int D, int R,
         }
     }
 }
+
+/* Error-feedback slot codes (kvplan/kernels/feedback.py, whose PyTorch loop this is, bit for bit):
+ * xs, s, z: fp32 [D][N] coordinate-major in coding order (column n = token (b, head, t) of a
+ * [B, h, T, D] block, head = (n / T) % h), z = NULL for symmetric formats; levels [n_levels],
+ * mids [n_levels - 1]; factor fp32 [h][D][D] (upper Cholesky factor of the inverse metric, coding
+ * order). Writes codes uint8 [D][N]. Each rounding is done as the PyTorch ops do it (no fused
+ * multiply-add), so the codes are the same. */
+#pragma STDC FP_CONTRACT OFF
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void kvp_feedback_codes(int D, int64_t N, int h, int64_t T, const float *xs, const float *s, const float *z,
+                        const float *levels, const float *mids, int n_mids, const float *factor, uint8_t *codes) {
+    float w[MAX_D];
+    for (int64_t n = 0; n < N; n++) {
+        const float *U = factor + ((n / T) % h) * (int64_t)D * D;
+        for (int d = 0; d < D; d++) w[d] = xs[(int64_t)d * N + n];
+        for (int d = 0; d < D; d++) {
+            const int64_t at = (int64_t)d * N + n;
+            const float sv = s[at];
+            const float u = z ? w[d] - z[at] : w[d];
+            const float q = u / (sv > 0.0f ? sv : 1.0f);
+            int c = 0;
+            for (int j = 0; j < n_mids; j++) c += mids[j] < q;  /* torch.bucketize(q, mids), right=False */
+            codes[at] = (uint8_t)(sv > 0.0f ? c : 0);
+            float read = levels[c] * sv;
+            if (z) read = read + z[at];
+            const float err = (w[d] - read) / U[(int64_t)d * D + d];
+            for (int j = d + 1; j < D; j++) w[j] -= U[(int64_t)d * D + j] * err;
+        }
+    }
+}
