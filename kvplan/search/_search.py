@@ -634,7 +634,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            key_correction_bits: int = 4, rotation: str | None = None, key_pre_rope: bool | None = None,
            key_scaling: str | None = None, value_scaling: str | None = None, codebooks: Sequence[str] | None = None,
            residual_bits: int = DEFAULT_RESIDUAL_BITS, recent_lengths: Sequence[int] = DEFAULT_RECENT_LENGTHS,
-           sink_bits: int = DEFAULT_SINK_BITS, error_feedback: bool | None = None, pareto: bool = False, profile: bool | Mapping[str, float] = True,
+           sink_bits: int = DEFAULT_SINK_BITS, error_feedback: bool | None = None, pareto: bool = False,
+           profile: bool | Mapping[str, float] = True,
            profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
            surrogate_offset: bool = True,
            n_candidates: int = 4, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
@@ -880,7 +881,8 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
     n_profile_evals = 0
 
     def setup() -> None:
-        """Once per study: the key-correction bases and the sensitivity profile, shared by all workers."""
+        """Once per study: the key-correction bases, the error-feedback metrics and the sensitivity
+        profile, shared by all workers."""
         nonlocal n_profile_evals
         attrs = study.user_attrs
         basis = metric = None

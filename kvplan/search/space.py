@@ -328,7 +328,7 @@ class SearchSpace:
                             "value_scaling": self.fixed_fields["value_scaling"],
                             "codebooks": list(self.codebook_kinds)},
                 "residual_bits": self.fixed_fields["residual_bits"], "sink_bits": self.fixed_fields["sink_bits"],
-                **({"error_feedback": {"metric_sha256": hashlib.sha256(self.feedback_metric.array.tobytes()).hexdigest()[:16]}}
+                **({"error_feedback": {"metric_sha256": _digest(self.feedback_metric.array)}}
                    if self.feedback_metric is not None else {}),
                 **({"recent_lengths": list(self.recent_lengths)} if self.recent_lengths != (0,) else {}),
                 "value_axis": self.value_axis, "modalities": list(self.modalities), "shape": list(self.shape),
@@ -337,11 +337,15 @@ class SearchSpace:
     def _describe_correction(self) -> dict | None:
         if self.key_basis is None:
             return None
-        digest = hashlib.sha256(self.key_basis.array.tobytes()).hexdigest()[:16]
-        return {**self.key_correction, "basis_sha256": digest}
+        return {**self.key_correction, "basis_sha256": _digest(self.key_basis.array)}
 
     def __repr__(self) -> str:
         return (f"SearchSpace(granularity={self.granularity!r}, groups={len(self.groups)}, bits={self.bits}, "
                 f"group_sizes={self.group_sizes}, residual_lengths={self.residual_lengths}, "
                 f"sink_lengths={self.sink_lengths}, recent_lengths={self.recent_lengths}, "
                 f"key_axes={self.key_axes})")
+
+
+def _digest(a: np.ndarray) -> str:
+    """Short sha256 of an array's bytes (written to search.json to name a plan constant)."""
+    return hashlib.sha256(a.tobytes()).hexdigest()[:16]
