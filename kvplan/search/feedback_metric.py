@@ -25,7 +25,8 @@ def output_projections(model, num_layers: int) -> list[torch.Tensor] | None:
     None when the model's attention modules have no ``o_proj`` (then values get an identity
     metric: nearest-level codes)."""
     found = {}
-    for m in model.modules():
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None  # a VLM's text decoder, not its tower
+    for m in (decoder if isinstance(decoder, torch.nn.Module) else model).modules():
         idx = getattr(m, "layer_idx", None)
         o = getattr(m, "o_proj", None)
         if isinstance(idx, int) and isinstance(o, torch.nn.Linear) and hasattr(m, "q_proj"):
