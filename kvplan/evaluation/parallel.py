@@ -110,7 +110,7 @@ def _run(fn, *args) -> tuple[str, Any]:
 
 def _worker(conn, model, prepared, indices, parent_ends) -> None:
     """Child loop: receive ``(plan, attention, expect, prefix_key)``, send back the share's per-sample results
-    (or the exception). Ends when the parent closes its end of the pipe (or dies)."""
+    (or the exception). Ends at the parent's stop (``None``), or when it closes its end of the pipe or dies."""
     _child_start()
     for c in parent_ends:  # inherited by fork; only the parent may hold them
         c.close()
@@ -118,6 +118,8 @@ def _worker(conn, model, prepared, indices, parent_ends) -> None:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
+            return
+        if msg is None:  # the parent's stop
             return
         plan, attention, expect, prefix_key = msg
         try:
@@ -187,6 +189,13 @@ def map_forked(fn, items: Sequence, processes: int, costs: Sequence[int] | None 
 
 def _stop(conns, procs) -> None:
     for c in conns:
+        # an explicit stop: a worker forked later (by another SampleProcesses) still holds a copy of
+        # this end, so closing it alone would not give the worker end-of-file
+        if c.writable:
+            try:
+                c.send(None)
+            except (BrokenPipeError, OSError):
+                pass
         c.close()
     for p in procs:
         p.join(timeout=5)

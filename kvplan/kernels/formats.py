@@ -179,10 +179,15 @@ def lloyd_max_levels(bits: int, symmetric: bool, group_len: int, n_groups: int =
         lv = torch.linspace(0.0, 1.0, 1 << bits, dtype=torch.float64)
     u = u.flatten()
     u = torch.cat([u, -u if symmetric else 1 - u])  # the Gaussian is symmetric: so are its levels
+    # sorted once: each iteration's cells (midpoint < u <= next midpoint) are index ranges, and
+    # their sums differences of one cumulative sum
+    u = u.sort().values
+    csum = torch.cat([u.new_zeros(1), u.cumsum(0)])
+    first, last = torch.tensor([0]), torch.tensor([u.numel()])
     for _ in range(iterations):
-        idx = torch.bucketize(u, (lv[1:] + lv[:-1]) / 2)
-        sums = torch.zeros_like(lv).index_add_(0, idx, u)
-        counts = torch.zeros_like(lv).index_add_(0, idx, torch.ones_like(u))
+        edges = torch.cat([first, torch.searchsorted(u, (lv[1:] + lv[:-1]) / 2, right=True), last])
+        counts = (edges[1:] - edges[:-1]).to(u.dtype)
+        sums = csum[edges[1:]] - csum[edges[:-1]]
         lv = torch.where(counts > 0, sums / counts.clamp_min(1), lv)
     return tuple(round(float(v), 4) for v in lv)
 

@@ -145,8 +145,10 @@ class FlowMap(dict):
     """A mapping written on one line (bit rules)."""
 
 
-class PlanDumper(yaml.SafeDumper):
-    """Block style for sections, flow style for bit rules and lists of scalars; never anchors."""
+class PlanDumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):
+    """Block style for sections, flow style for bit rules and lists of scalars; never anchors.
+    libyaml's emitter when PyYAML has it (the same text, ~50x faster on a plan's MB-long base64
+    arrays), PyYAML's own otherwise."""
 
     def ignore_aliases(self, data):
         return True

@@ -36,6 +36,35 @@ def output_projections(model, num_layers: int) -> list[torch.Tensor] | None:
     return [found[i].detach().float().cpu() for i in range(num_layers)]
 
 
+def stored_key_metric(metric: torch.Tensor, rotation, context_len: int) -> torch.Tensor:
+    """float64 ``[H, D, D]``: the model-frame key metrics ``metric [H, D, D]`` carried into the
+    stored frame of ``rotation`` (a :class:`kvplan.kernels.rotation.Rotation`), averaged over
+    cache indices ``p in [0, context_len)``.
+
+    A unit stored-frame error on coordinate ``a`` at index ``p`` reads as the model-frame error
+    ``N_p[a] = (e_a H) R_p`` (``H`` the Hadamard or ``I``, ``R_p`` RoPE's rotate-half turn by ``+p``,
+    :meth:`Rotation.inverse`), so the stored metric is ``H (mean_p R_p M R_pᵀ) Hᵀ``. Row ``i`` of
+    ``R_p`` has two entries: ``cos`` on ``i`` and ``±sin`` on its rotary partner ``π(i)``, so the mean
+    over ``p`` is four element-wise products of ``M`` (rows / columns permuted by ``π``) with Gram
+    matrices of the cos / sin table: ``O(P D² + H D³)``, not ``O(P H D³)``."""
+    m = metric.double()
+    H, D, _ = m.shape
+    if rotation.inv_freq is not None:
+        cos, sin = (t.double().cpu() for t in rotation.angles(0, context_len))  # [P, d/2] fp32 table
+        half = cos.shape[1]
+        rest = D - 2 * half  # channels past the rotary ones do not turn
+        c = torch.cat([cos, cos, cos.new_ones(context_len, rest)], 1)  # [P, D]: cos of row i's angle
+        s = torch.cat([sin, -sin, sin.new_zeros(context_len, rest)], 1)  # [P, D]: the partner's coefficient
+        partner = torch.cat([torch.arange(half, 2 * half), torch.arange(half), torch.arange(2 * half, D)])
+        mp_ = m[:, :, partner]  # M[i, π(j)]
+        m = ((c.T @ c) * m + (c.T @ s) * mp_ + (s.T @ c) * m[:, partner, :]
+             + (s.T @ s) * mp_[:, partner, :]) / context_len
+    if rotation.hadamard is not None:
+        had = rotation.hadamard.double().cpu()
+        m = had @ m @ had.T
+    return m
+
+
 def feedback_metric(moments: np.ndarray, projections: list[torch.Tensor] | None,
                     rotations: Callable[[int], dict], context_len: int, damping: float = FEEDBACK_DAMPING
                     ) -> np.ndarray:
@@ -49,11 +78,7 @@ def feedback_metric(moments: np.ndarray, projections: list[torch.Tensor] | None,
         rot = rotations(layer)
         mk = torch.from_numpy(np.asarray(moments[layer], dtype=np.float64))  # [H, D, D]
         if rot["k"] is not None:
-            # row i of N_p: the model-frame error of a unit stored-frame error on coordinate i at
-            # position p; the stored-frame metric is the mean over p of N_p M N_pᵀ
-            units = eye.float().view(1, D, 1, D).expand(1, D, context_len, D).contiguous()
-            n = rot["k"].inverse(units, 0)[0].permute(1, 0, 2).double()  # [P, D, D]
-            mk = torch.einsum("pad,hde,pbe->hab", n, mk, n) / context_len
+            mk = stored_key_metric(mk, rot["k"], context_len)
         if projections is None:
             mv = eye.expand(H, D, D).clone()
         else:

@@ -153,3 +153,24 @@ def test_prefill_in_processes_gives_the_same_tensors(tiny):
         assert all(torch.equal(x, y) for (ka, va), (kb, vb) in zip(a.kv, b.kv) for x, y in ((ka, kb), (va, vb)))
         assert torch.equal(a.rows, b.rows) and torch.equal(a.position_ids, b.position_ids)
         assert torch.equal(a.fp["scored"]["eval"], b.fp["scored"]["eval"]) and a.fp["nll"] == b.fp["nll"]
+
+
+def test_close_stops_workers_that_a_later_pool_inherited(tiny):
+    """A pool forked after another holds copies of the first pool's pipe ends: closing the first
+    must still stop its workers at once (an explicit stop, not end-of-file), not after join's timeout."""
+    import time
+
+    model, prepared = tiny
+    plan = _plan(model)
+    first, second = SampleProcesses(model, prepared, 2), SampleProcesses(model, prepared, 2)
+    try:
+        evaluate(model, plan, prepared, progress=False, processes=first)
+        evaluate(model, plan, prepared, progress=False, processes=second)  # forks while first's workers live
+        procs = list(first._procs)
+        t0 = time.monotonic()
+        first.close()
+        assert time.monotonic() - t0 < 2.0
+        assert all(p.exitcode == 0 for p in procs)  # exited by themselves, not terminated
+    finally:
+        first.close()
+        second.close()

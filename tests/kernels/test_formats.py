@@ -123,3 +123,17 @@ def test_constant_groups_decode_exactly():
                 assert torch.equal(y, x), (f.name, axis)
             elif f.levels is None:  # uniform symmetric levels reach +-1: the scale's e4m3 rounding only
                 torch.testing.assert_close(y, x, rtol=1 / 16, atol=0)
+
+
+def test_codebooks_reproduce_the_recorded_default_plan():
+    """The levels are plan constants: the fit must give the recorded plan's codebooks to the digit
+    (its values: absmax scaling, per-token groups of head_dim 64)."""
+    import pathlib
+
+    import yaml
+
+    recorded = pathlib.Path(__file__).parents[2] / "bench" / "results" / "search-2.5bpv.yaml"
+    books = yaml.safe_load(recorded.read_text())["quantizer"]["codebooks"]["v"]
+    assert set(books) == {2, 3, 4}
+    for bits, levels in books.items():
+        assert lloyd_max_levels.__wrapped__(bits, True, 64) == tuple(levels), bits

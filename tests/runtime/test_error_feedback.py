@@ -44,6 +44,27 @@ def test_metric_is_symmetric_with_unit_mean_diagonal_plus_damping(model):
     assert (np.linalg.eigvalsh(m) > 0.05).all()
 
 
+@pytest.mark.parametrize("head_dim,rotary,hadamard", [(32, 16, True), (32, 8, True), (16, 8, False), (16, None, True)],
+                         ids=["full-rope", "partial-rope", "rope-only", "hadamard-only"])
+def test_stored_key_metric_is_the_mean_over_positions_of_the_stored_frame_metric(head_dim, rotary, hadamard):
+    """The closed form equals the definition: a unit stored error on coordinate a at index p reads as
+    N_p[a] = Rotation.inverse(e_a) in the model frame; the metric is mean_p N_p M N_pᵀ."""
+    from kvplan.kernels.rotation import Rotation, hadamard_matrix
+    from kvplan.search.feedback_metric import stored_key_metric
+
+    g = torch.Generator().manual_seed(head_dim)
+    a = torch.randn(2, head_dim, head_dim, generator=g, dtype=torch.float64)
+    m = a @ a.transpose(-1, -2)
+    inv_freq = None if rotary is None else 1.0 / 10000 ** (torch.arange(rotary, dtype=torch.float32) / rotary)
+    rot = Rotation(hadamard_matrix(head_dim) if hadamard else None, inv_freq)
+    P = 37
+    units = torch.eye(head_dim).view(1, head_dim, 1, head_dim).expand(1, head_dim, P, head_dim).contiguous()
+    n = rot.inverse(units, 0)[0].permute(1, 0, 2).double()  # [P, D, D]: N_p
+    want = torch.einsum("pad,hde,pbe->hab", n, m, n) / P
+    got = stored_key_metric(m, rot, P)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+
+
 def test_codes_change_bytes_do_not_and_the_metric_error_drops(model):
     """Under a plan metric with a few dominant directions (as trained models' queries have; this
     random-weight model's are near isotropic) the cache's reads have a much lower e^T M e."""
