@@ -69,7 +69,7 @@ def test_factors_code_the_heaviest_coordinates_first():
     assert torch.equal(U[0], torch.triu(U[0]))
 
 
-@pytest.mark.parametrize("fmt,bits,axis", FORMATS)
+@pytest.mark.parametrize("fmt,bits,axis", [*FORMATS, pytest.param(None, 8, "token", id="v1-int8-token")])
 @pytest.mark.parametrize("D", [64, 256])
 def test_native_loop_gives_the_torch_loops_codes(fmt, bits, axis, D, monkeypatch):
     """The C coding loop (CPU, when the native kernels build) and the PyTorch one choose the same codes,

@@ -346,29 +346,75 @@ void kvp_value_accum(int B, int H, int T, int D, int R,
  * [B, h, T, D] block, head = (n / T) % h), z = NULL for symmetric formats; levels [n_levels],
  * mids [n_levels - 1]; factor fp32 [h][D][D] (upper Cholesky factor of the inverse metric, coding
  * order). Writes codes uint8 [D][N]. Each rounding is done as the PyTorch ops do it (no fused
- * multiply-add), so the codes are the same. */
+ * multiply-add), so the codes are the same.
+ *
+ * FB_LANES tokens of one head are coded at once, one per SIMD lane: coordinate d of every lane is
+ * coded, then the rank-1 push w[j][lane] -= U[d][j] * err[lane] (j > d) runs across the lanes, so
+ * the serial chain of one token's coordinates is spread over independent tokens. */
+#define FB_LANES 8
+typedef float fb_vec __attribute__((vector_size(4 * FB_LANES)));
+typedef int32_t fb_ivec __attribute__((vector_size(4 * FB_LANES)));
+static const fb_vec fb_zero = {0};
 #pragma STDC FP_CONTRACT OFF
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
+static void feedback_lanes(int D, const float *U, fb_vec *w, const fb_vec *sv,
+                           const fb_vec *zv, int has_z, const float *levels, const float *mids,
+                           int n_mids, uint8_t out[][FB_LANES]) {
+    for (int d = 0; d < D; d++) {
+        const float diag = U[(int64_t)d * D + d];
+        const fb_vec sc = sv[d];
+        fb_vec safe;
+        for (int l = 0; l < FB_LANES; l++) safe[l] = sc[l] > 0.0f ? sc[l] : 1.0f;
+        const fb_vec q = (has_z ? w[d] - zv[d] : w[d]) / safe;
+        fb_ivec cnt;
+        fb_vec lv;
+        if (n_mids <= 16) {  /* torch.bucketize(q, mids), right=False: the count of mids below q */
+            cnt = (fb_ivec){0};
+            lv = fb_zero + levels[0];
+            for (int j = 0; j < n_mids; j++) {  /* mids ascend: the last mid below q picks the level */
+                const fb_ivec below = (fb_ivec)(mids[j] < q);  /* -1 where below, else 0 */
+                const fb_vec next = fb_zero + levels[j + 1];
+                cnt -= below;
+                lv = (fb_vec)(((fb_ivec)lv & ~below) | ((fb_ivec)next & below));
+            }
+        } else {  /* the same count by bisection (a NaN q counts 0 either way) */
+            for (int l = 0; l < FB_LANES; l++) {
+                int lo = 0, hi = n_mids;
+                while (lo < hi) { const int mid = (lo + hi) / 2; if (mids[mid] < q[l]) lo = mid + 1; else hi = mid; }
+                cnt[l] = lo; lv[l] = levels[lo];
+            }
+        }
+        for (int l = 0; l < FB_LANES; l++) out[d][l] = (uint8_t)(sc[l] > 0.0f ? cnt[l] : 0);
+        fb_vec read = lv * sc;
+        if (has_z) read = read + zv[d];
+        const fb_vec err = (w[d] - read) / diag;
+        const float *Ud = U + (int64_t)d * D;
+        for (int j = d + 1; j < D; j++) w[j] -= Ud[j] * err;
+    }
+}
+
 void kvp_feedback_codes(int D, int64_t N, int h, int64_t T, const float *xs, const float *s, const float *z,
                         const float *levels, const float *mids, int n_mids, const float *factor, uint8_t *codes) {
-    float w[MAX_D];
-    for (int64_t n = 0; n < N; n++) {
-        const float *U = factor + ((n / T) % h) * (int64_t)D * D;
-        for (int d = 0; d < D; d++) w[d] = xs[(int64_t)d * N + n];
-        for (int d = 0; d < D; d++) {
-            const int64_t at = (int64_t)d * N + n;
-            const float sv = s[at];
-            const float u = z ? w[d] - z[at] : w[d];
-            const float q = u / (sv > 0.0f ? sv : 1.0f);
-            int c = 0;
-            for (int j = 0; j < n_mids; j++) c += mids[j] < q;  /* torch.bucketize(q, mids), right=False */
-            codes[at] = (uint8_t)(sv > 0.0f ? c : 0);
-            float read = levels[c] * sv;
-            if (z) read = read + z[at];
-            const float err = (w[d] - read) / U[(int64_t)d * D + d];
-            for (int j = d + 1; j < D; j++) w[j] -= U[(int64_t)d * D + j] * err;
+    fb_vec w[MAX_D], sv[MAX_D], zv[MAX_D];
+    uint8_t out[MAX_D][FB_LANES];
+    for (int64_t run = 0; run < N; run += T) {  /* tokens run .. run + T - 1 share one head */
+        const float *U = factor + ((run / T) % h) * (int64_t)D * D;
+        for (int64_t n0 = run; n0 < run + T; n0 += FB_LANES) {
+            const int lanes = (int)(run + T - n0 < FB_LANES ? run + T - n0 : FB_LANES);
+            for (int d = 0; d < D; d++) {
+                const int64_t at = (int64_t)d * N + n0;
+                for (int l = 0; l < FB_LANES; l++) {  /* spare lanes: zero scale, code 0, discarded */
+                    w[d][l] = l < lanes ? xs[at + l] : 0.0f;
+                    sv[d][l] = l < lanes ? s[at + l] : 0.0f;
+                    zv[d][l] = (z && l < lanes) ? z[at + l] : 0.0f;
+                }
+            }
+            feedback_lanes(D, U, w, sv, zv, z != NULL,
+                           levels, mids, n_mids, out);
+            for (int d = 0; d < D; d++)
+                for (int l = 0; l < lanes; l++) codes[(int64_t)d * N + n0 + l] = out[d][l];
         }
     }
 }
