@@ -10,13 +10,13 @@ one and pushing each one's rounding error onto the coordinates not yet coded, al
 Only the encoder changes: the scales / zero-points are the format's, computed from the vector as
 written (so the byte count and every decode route stay as they are); the codes are the ones
 error feedback picks among that format's levels. Coordinates are coded in decreasing order of
-``diag(M)`` (GPTQ's act-order). The scales come from :func:`kvplan.kernels.quantize` (Triton on
-CUDA for the v1 format); the codes from a loop over the coordinates: on the CPU the native C loop
-(``kvp_feedback_codes`` in ``kernels/native/attention_cpu.c``, one call per block, the same codes bit
-for bit) when the native kernels build here (as the decode attention, :func:`kvplan.kernels.
-native_unavailable`), else, and on CUDA, the same loop in PyTorch (D steps of tensor ops per block:
-on the CPU 5x the C loop's time for 128-token commits, 1.5x for a 4096-token prefill;
-``bench/results/feedback_cost.md``).
+``diag(M)`` (GPTQ's act-order). The scales are the format's (:func:`kvplan.kernels.reference.
+group_scales` on the CPU, :func:`kvplan.kernels.quantize` elsewhere: Triton on CUDA for the v1
+format); the codes come from a loop over the coordinates: on the CPU the native C loop
+(``kvp_feedback_codes`` in ``kernels/native/attention_cpu.c``: eight tokens at once, one per SIMD
+lane; the same codes bit for bit) when the native kernels build here (as the decode attention,
+:func:`kvplan.kernels.native_unavailable`), else, and on CUDA, the same loop in PyTorch (D steps of
+tensor ops per block). Cost: ``bench/results/feedback_cost.md``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from . import native_unavailable, quantize
 from .formats import Format
-from .reference import _per_value, pack_codes
+from .reference import _per_value, group_scales, pack_codes
 
 
 def feedback_factors(metric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,43 +47,49 @@ def quantize_with_feedback(x: torch.Tensor, bits: int, group_size: int, axis: st
     """:func:`kvplan.kernels.quantize` of ``x [B, h, T, D]`` (in the stored frame) with codes chosen
     by error feedback under ``(factor, order)`` of :func:`feedback_factors` (one per head of
     ``x``); same ``(packed codes, scale, zero)`` layout and scales."""
-    _, scale, zero = quantize(x, bits, group_size, axis, start_offset, range_flag, fmt)
+    if x.device.type == "cpu":  # the reference's scales, without its nearest-level codes
+        scale, zero = group_scales(x, bits, group_size, axis, start_offset, fmt)
+    else:  # the device's own encoder (Triton for the v1 format: it raises range_flag, no host sync)
+        _, scale, zero = quantize(x, bits, group_size, axis, start_offset, range_flag, fmt)
     B, h, T, D = x.shape
     legacy = fmt is None or fmt.legacy
     levels = None if legacy else fmt.level_units(x.device)
     if levels is None:  # uniform min-max levels: code c reads c * scale + zero
         levels = torch.arange(1 << bits, dtype=torch.float32, device=x.device)
     mids = (levels[1:] + levels[:-1]) / 2
-    idx = order.view(1, h, 1, D).expand(B, h, T, D)
-
-    def coordinate_major(t: torch.Tensor) -> torch.Tensor:  # [B, h, T, D] -> [D, B, h, T] in coding order
-        return torch.gather(t, -1, idx).permute(3, 0, 1, 2).contiguous()
-
-    xs = coordinate_major(x.float())  # updated in place as coordinates are coded
-    s = coordinate_major(_per_value(scale.float(), group_size, axis, start_offset, x.shape))
-    z = None if zero is None else coordinate_major(_per_value(zero.float(), group_size, axis, start_offset, x.shape))
+    s = _per_value(scale.float(), group_size, axis, start_offset, x.shape)  # [B, h, T, D]
+    z = None if zero is None else _per_value(zero.float(), group_size, axis, start_offset, x.shape)
     if x.device.type == "cpu" and native_unavailable(D) is None:
-        codes = _native_codes(xs, s, z, levels, mids, factor, T)
+        codes = _native_codes(x.float(), s, z, order, levels, mids, factor)
     else:
-        codes = _torch_codes(xs, s, z, levels, mids, factor)
-    codes = codes.permute(1, 2, 3, 0)  # [B, h, T, D] in coding order
-    codes = torch.empty(B, h, T, D, dtype=torch.uint8, device=x.device).scatter_(-1, idx, codes)
+        idx = order.view(1, h, 1, D).expand(B, h, T, D)
+
+        def coordinate_major(t: torch.Tensor) -> torch.Tensor:  # [B, h, T, D] -> [D, B, h, T] in coding order
+            return torch.gather(t, -1, idx).permute(3, 0, 1, 2).contiguous()
+
+        codes = _torch_codes(coordinate_major(x.float()), coordinate_major(s),
+                             None if z is None else coordinate_major(z), levels, mids, factor)
+        codes = torch.empty(B, h, T, D, dtype=torch.uint8, device=x.device).scatter_(-1, idx, codes.permute(1, 2, 3, 0))
     return pack_codes(codes, bits), scale, zero
 
 
-def _native_codes(xs, s, z, levels, mids, factor, T: int) -> torch.Tensor:
-    """The coding loop in C: uint8 ``[D, B, h, T]`` (see :func:`_torch_codes`)."""
+def _native_codes(x, s, z, order, levels, mids, factor) -> torch.Tensor:
+    """The coding loop in C on ``x, s, z [B, h, T, D]`` (values, their scales and zero-points) in the
+    channels' own order: uint8 codes ``[B, h, T, D]`` (see :func:`_torch_codes`)."""
     from .native_build import native_library
 
-    D, B, h, _ = xs.shape
+    B, h, T, D = x.shape
+    x, s = x.contiguous(), s.contiguous()
+    z = None if z is None else z.contiguous()
     f = factor.float().contiguous()
+    o = order.to(torch.int64).contiguous()
     lv, md = levels.float().contiguous(), mids.float().contiguous()
-    codes = torch.empty(xs.shape, dtype=torch.uint8)
+    codes = torch.empty(x.shape, dtype=torch.uint8)
 
     def ptr(t):
         return ctypes.c_void_p(t.data_ptr()) if t is not None else None
 
-    native_library().kvp_feedback_codes(D, B * h * T, h, T, ptr(xs), ptr(s), ptr(z), ptr(lv), ptr(md),
+    native_library().kvp_feedback_codes(D, B * h * T, h, T, ptr(x), ptr(s), ptr(z), ptr(o), ptr(lv), ptr(md),
                                         md.numel(), ptr(f), ptr(codes))
     return codes
 

@@ -104,6 +104,6 @@ def native_library() -> ctypes.CDLL:
     lib.kvp_key_scores.restype = None
     lib.kvp_value_accum.argtypes = common + [p, i64, i64, i64, p, i64, i64, i64, p, i]
     lib.kvp_value_accum.restype = None
-    lib.kvp_feedback_codes.argtypes = [i, i64, i, i64, p, p, p, p, p, i, p, p]
+    lib.kvp_feedback_codes.argtypes = [i, i64, i, i64, p, p, p, p, p, p, i, p, p]
     lib.kvp_feedback_codes.restype = None
     return lib

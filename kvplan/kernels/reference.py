@@ -147,27 +147,35 @@ def quantize(
     qt = qtype(bits)
     B, h, T, D = x.shape
     xf = x.float()
+    scale, zero = group_scales(xf, bits, group_size, axis, start_offset)
     if axis == "token":
         g = channel_group_size(group_size, D)
         xg = xf.reshape(B, h, T, D // g, g)
-        scale, zero = _scale_zero(xg.amin(dim=-1), xg.amax(dim=-1), qt.qmax)  # [B, h, T, D/g]
         codes = _encode(xg, scale.unsqueeze(-1), zero.unsqueeze(-1), qt.qmax).reshape(B, h, T, D)
-    elif axis == "channel":
-        if not 0 <= start_offset < group_size:
-            raise ValueError(f"start_offset {start_offset} outside [0, {group_size})")
-        n_groups = -(-(start_offset + T) // group_size)
-        back = n_groups * group_size - start_offset - T
-        lo = torch.nn.functional.pad(xf, (0, 0, start_offset, back), value=float("inf"))
-        hi = torch.nn.functional.pad(xf, (0, 0, start_offset, back), value=float("-inf"))
-        mn = lo.reshape(B, h, n_groups, group_size, D).amin(dim=3)
-        mx = hi.reshape(B, h, n_groups, group_size, D).amax(dim=3)
-        scale, zero = _scale_zero(mn, mx, qt.qmax)  # [B, h, n_groups, D]
+    else:
         s_tok = _expand_groups(scale, group_size, start_offset, T)
         z_tok = _expand_groups(zero, group_size, start_offset, T)
         codes = _encode(xf, s_tok, z_tok, qt.qmax)
-    else:
-        raise ValueError(f"unknown quantization axis {axis!r}; expected 'token' or 'channel'")
     return pack_codes(codes, bits), scale, zero
+
+
+def group_scales(x: torch.Tensor, bits: int, group_size: int, axis: str, start_offset: int = 0,
+                 fmt: Format | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``(scale, zero)`` :func:`quantize` stores for ``x [B, h, T, D]`` (``[B, h, T, D/g]`` on
+    the token axis, ``[B, h, n_groups, D]`` on the channel axis; ``zero`` None for a symmetric
+    format), without coding the values."""
+    xf = x.float()
+    if fmt is None or fmt.legacy:
+        lo, hi = _group_stats(xf, group_size, axis, start_offset, False)
+        return _scale_zero(lo, hi, qtype(bits).qmax)  # fp16 scale and zero-point
+    lo, hi = _group_stats(xf, group_size, axis, start_offset, fmt.spec.symmetric)
+    if fmt.spec.symmetric:
+        return store_scale(hi, fmt), None
+    if bool((lo < -_FP16_MAX).any() or (hi > _FP16_MAX).any()):
+        raise ValueError("KV values exceed the fp16 range of the stored zero-points "
+                         f"(min {lo.min().item():.4g}, max {hi.max().item():.4g}); cannot quantize this block")
+    zero = lo.to(fmt.spec.zero_dtype)
+    return store_scale((hi - zero.float()) / ((1 << fmt.bits) - 1), fmt), zero
 
 
 def _group_stats(xf: torch.Tensor, group_size: int, axis: str, start_offset: int, symmetric: bool):
@@ -210,15 +218,7 @@ def _quantize_format(x: torch.Tensor, fmt: Format, group_size: int, axis: str, s
     qmax = (1 << fmt.bits) - 1
     xf = x.float()
     sym = fmt.spec.symmetric
-    lo, hi = _group_stats(xf, group_size, axis, start_offset, sym)
-    if sym:
-        scale, zero = store_scale(hi, fmt), None
-    else:
-        if bool((lo < -_FP16_MAX).any() or (hi > _FP16_MAX).any()):
-            raise ValueError("KV values exceed the fp16 range of the stored zero-points "
-                             f"(min {lo.min().item():.4g}, max {hi.max().item():.4g}); cannot quantize this block")
-        zero = lo.to(fmt.spec.zero_dtype)
-        scale = store_scale((hi - zero.float()) / qmax, fmt)
+    scale, zero = group_scales(xf, fmt.bits, group_size, axis, start_offset, fmt)
     s = _per_value(scale.float(), group_size, axis, start_offset, xf.shape)
     u = xf if sym else xf - _per_value(zero.float(), group_size, axis, start_offset, xf.shape)
     u = u / torch.where(s > 0, s, torch.ones_like(s))  # [B, h, T, D] in level units

@@ -342,11 +342,12 @@ void kvp_value_accum(int B, int H, int T, int D, int R,
 }
 
 /* Error-feedback slot codes (kvplan/kernels/feedback.py, whose PyTorch loop this is, bit for bit):
- * xs, s, z: fp32 [D][N] coordinate-major in coding order (column n = token (b, head, t) of a
- * [B, h, T, D] block, head = (n / T) % h), z = NULL for symmetric formats; levels [n_levels],
- * mids [n_levels - 1]; factor fp32 [h][D][D] (upper Cholesky factor of the inverse metric, coding
- * order). Writes codes uint8 [D][N]. Each rounding is done as the PyTorch ops do it (no fused
- * multiply-add), so the codes are the same.
+ * x, s, z: fp32 [N][D] row-major (row n = token (b, head, t) of a [B, h, T, D] block, head =
+ * (n / T) % h; s, z the scale / zero-point of each value), z = NULL for symmetric formats;
+ * order int64 [h][D] (the coding order of each head's coordinates); levels [n_levels], mids
+ * [n_levels - 1]; factor fp32 [h][D][D] (upper Cholesky factor of the inverse metric, coding
+ * order). Writes codes uint8 [N][D] (the channels' own order). Each rounding is done as the
+ * PyTorch ops do it (no fused multiply-add), so the codes are the same.
  *
  * FB_LANES tokens of one head are coded at once, one per SIMD lane: coordinate d of every lane is
  * coded, then the rank-1 push w[j][lane] -= U[d][j] * err[lane] (j > d) runs across the lanes, so
@@ -395,26 +396,28 @@ static void feedback_lanes(int D, const float *U, fb_vec *w, const fb_vec *sv,
     }
 }
 
-void kvp_feedback_codes(int D, int64_t N, int h, int64_t T, const float *xs, const float *s, const float *z,
-                        const float *levels, const float *mids, int n_mids, const float *factor, uint8_t *codes) {
+void kvp_feedback_codes(int D, int64_t N, int h, int64_t T, const float *x, const float *s, const float *z,
+                        const int64_t *order, const float *levels, const float *mids, int n_mids,
+                        const float *factor, uint8_t *codes) {
     fb_vec w[MAX_D], sv[MAX_D], zv[MAX_D];
     uint8_t out[MAX_D][FB_LANES];
     for (int64_t run = 0; run < N; run += T) {  /* tokens run .. run + T - 1 share one head */
-        const float *U = factor + ((run / T) % h) * (int64_t)D * D;
+        const int64_t head = (run / T) % h;
+        const float *U = factor + head * (int64_t)D * D;
+        const int64_t *ord = order + head * D;
         for (int64_t n0 = run; n0 < run + T; n0 += FB_LANES) {
             const int lanes = (int)(run + T - n0 < FB_LANES ? run + T - n0 : FB_LANES);
-            for (int d = 0; d < D; d++) {
-                const int64_t at = (int64_t)d * N + n0;
-                for (int l = 0; l < FB_LANES; l++) {  /* spare lanes: zero scale, code 0, discarded */
-                    w[d][l] = l < lanes ? xs[at + l] : 0.0f;
-                    sv[d][l] = l < lanes ? s[at + l] : 0.0f;
-                    zv[d][l] = (z && l < lanes) ? z[at + l] : 0.0f;
+            for (int l = 0; l < FB_LANES; l++) {  /* spare lanes: zero scale, code 0, discarded */
+                const int64_t row = (n0 + l) * D;
+                for (int d = 0; d < D; d++) {
+                    w[d][l] = l < lanes ? x[row + ord[d]] : 0.0f;
+                    sv[d][l] = l < lanes ? s[row + ord[d]] : 0.0f;
+                    zv[d][l] = (z && l < lanes) ? z[row + ord[d]] : 0.0f;
                 }
             }
-            feedback_lanes(D, U, w, sv, zv, z != NULL,
-                           levels, mids, n_mids, out);
-            for (int d = 0; d < D; d++)
-                for (int l = 0; l < lanes; l++) codes[(int64_t)d * N + n0 + l] = out[d][l];
+            feedback_lanes(D, U, w, sv, zv, z != NULL, levels, mids, n_mids, out);
+            for (int l = 0; l < lanes; l++)
+                for (int d = 0; d < D; d++) codes[(n0 + l) * D + ord[d]] = out[d][l];
         }
     }
 }
