@@ -157,9 +157,8 @@ def test_prefill_in_processes_gives_the_same_tensors(tiny):
 
 def test_close_stops_workers_that_a_later_pool_inherited(tiny):
     """A pool forked after another holds copies of the first pool's pipe ends: closing the first
-    must still stop its workers at once (an explicit stop, not end-of-file), not after join's timeout."""
-    import time
-
+    must still stop its workers (an explicit stop, not end-of-file), not terminate them after
+    join's timeout."""
     model, prepared = tiny
     plan = _plan(model)
     first, second = SampleProcesses(model, prepared, 2), SampleProcesses(model, prepared, 2)
@@ -167,10 +166,8 @@ def test_close_stops_workers_that_a_later_pool_inherited(tiny):
         evaluate(model, plan, prepared, progress=False, processes=first)
         evaluate(model, plan, prepared, progress=False, processes=second)  # forks while first's workers live
         procs = list(first._procs)
-        t0 = time.monotonic()
         first.close()
-        assert time.monotonic() - t0 < 2.0
-        assert all(p.exitcode == 0 for p in procs)  # exited by themselves, not terminated
+        assert [p.exitcode for p in procs] == [0]  # exited by themselves (terminated: -SIGTERM)
     finally:
         first.close()
         second.close()
