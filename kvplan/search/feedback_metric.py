@@ -56,9 +56,9 @@ def stored_key_metric(metric: torch.Tensor, rotation, context_len: int) -> torch
         c = torch.cat([cos, cos, cos.new_ones(context_len, rest)], 1)  # [P, D]: cos of row i's angle
         s = torch.cat([sin, -sin, sin.new_zeros(context_len, rest)], 1)  # [P, D]: the partner's coefficient
         partner = torch.cat([torch.arange(half, 2 * half), torch.arange(half), torch.arange(2 * half, D)])
-        mp_ = m[:, :, partner]  # M[i, π(j)]
-        m = ((c.T @ c) * m + (c.T @ s) * mp_ + (s.T @ c) * m[:, partner, :]
-             + (s.T @ s) * mp_[:, partner, :]) / context_len
+        m_cols = m[:, :, partner]  # M[i, π(j)]
+        m = ((c.T @ c) * m + (c.T @ s) * m_cols + (s.T @ c) * m[:, partner, :]
+             + (s.T @ s) * m_cols[:, partner, :]) / context_len
     if rotation.hadamard is not None:
         had = rotation.hadamard.double().cpu()
         m = had @ m @ had.T
