@@ -48,7 +48,7 @@ def stored_key_metric(metric: torch.Tensor, rotation, context_len: int) -> torch
     over ``p`` is four element-wise products of ``M`` (rows / columns permuted by ``π``) with Gram
     matrices of the cos / sin table: ``O(P D² + H D³)``, not ``O(P H D³)``."""
     m = metric.double()
-    H, D, _ = m.shape
+    D = m.shape[-1]
     if rotation.inv_freq is not None:
         cos, sin = (t.double().cpu() for t in rotation.angles(0, context_len))  # [P, d/2] fp32 table
         half = cos.shape[1]
