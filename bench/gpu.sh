@@ -5,7 +5,7 @@
 #   bench/gpu.sh --cpu-smoke  # no GPU: the same two phases, tiny shapes, TRITON_INTERPRET=1 on CPU
 #
 # 1. correctness: tests/kernels/test_triton_kernels.py compiled on CUDA, every Triton kernel
-#    (quantize, dequantize, fused decode attention) against the pure-PyTorch reference
+#    (quantize, dequantize, error-feedback codes, fused decode attention) against the pure-PyTorch reference
 #    encode/decode: fp16/bf16/fp32, 2/3/4/8 bits, GQA, padded batches, mixed per-head bits,
 #    Hadamard / pre-RoPE / corrected blocks, and the large `gpu`-marked shapes;
 # 2. speed: bench/kernels.py --step-table: decode attention of all 30 layers and a whole decode
@@ -20,7 +20,7 @@ PY=${PYTHON:-.venv/bin/python}
 CMD="bench/gpu.sh $*"
 if [ "${1:-}" = "--cpu-smoke" ]; then
     export TRITON_INTERPRET=1
-    TESTS=(tests/kernels/test_triton_kernels.py -k "dequantize_matches_reference and int2 and g32 or packed_decode_attention and (searched or kivi)")
+    TESTS=(tests/kernels/test_triton_kernels.py -k "dequantize_matches_reference and int2 and g32 or packed_decode_attention and (searched or kivi) or feedback_codes and lloyd2")
     STEP=(--cpu-smoke)
     T_TESTS=300 T_STEP=600
 else

@@ -11,12 +11,14 @@ Only the encoder changes: the scales / zero-points are the format's, computed fr
 written (so the byte count and every decode route stay as they are); the codes are the ones
 error feedback picks among that format's levels. Coordinates are coded in decreasing order of
 ``diag(M)`` (GPTQ's act-order). The scales are the format's (:func:`kvplan.kernels.reference.
-group_scales` on the CPU, :func:`kvplan.kernels.quantize` elsewhere: Triton on CUDA for the v1
-format); the codes come from a loop over the coordinates: on the CPU the native C loop
-(``kvp_feedback_codes`` in ``kernels/native/attention_cpu.c``: eight tokens at once, one per SIMD
-lane; the same codes bit for bit) when the native kernels build here (as the decode attention,
-:func:`kvplan.kernels.native_unavailable`), else, and on CUDA, the same loop in PyTorch (D steps of
-tensor ops per block). Cost: ``bench/results/feedback_cost.md``.
+group_scales`, or Triton's v1 encoder :func:`kvplan.kernels.quantize` on CUDA); the codes come from
+a loop over the coordinates: on the CPU the native C loop (``kvp_feedback_codes`` in
+``kernels/native/attention_cpu.c``: eight tokens at once, one per SIMD lane) when the native kernels
+build here (as the decode attention, :func:`kvplan.kernels.native_unavailable`), on CUDA the Triton
+kernel (:func:`kvplan.kernels.triton_kernels.feedback_codes`: one program per block of tokens of a
+head, the loop in registers). Both give the same codes bit for bit as the loop in PyTorch
+(:func:`_torch_codes`: D steps of tensor ops per block), which runs where neither is available and is
+their test oracle. Cost: ``bench/results/feedback_cost.md``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import ctypes
 
 import torch
 
-from . import native_unavailable, quantize
+from . import native_unavailable, quantize, triton_available
 from .formats import Format
 from .reference import _per_value, group_scales, pack_codes
 
@@ -47,30 +49,49 @@ def quantize_with_feedback(x: torch.Tensor, bits: int, group_size: int, axis: st
     """:func:`kvplan.kernels.quantize` of ``x [B, h, T, D]`` (in the stored frame) with codes chosen
     by error feedback under ``(factor, order)`` of :func:`feedback_factors` (one per head of
     ``x``); same ``(packed codes, scale, zero)`` layout and scales."""
-    if x.device.type == "cpu":  # the reference's scales, without its nearest-level codes
-        scale, zero = group_scales(x, bits, group_size, axis, start_offset, fmt)
-    else:  # the device's own encoder (Triton for the v1 format: it raises range_flag, no host sync)
+    if x.is_cuda and (fmt is None or fmt.legacy):  # the device's v1 encoder (Triton: raises range_flag, no sync)
         _, scale, zero = quantize(x, bits, group_size, axis, start_offset, range_flag, fmt)
-    B, h, T, D = x.shape
-    legacy = fmt is None or fmt.legacy
-    levels = None if legacy else fmt.level_units(x.device)
-    if levels is None:  # uniform min-max levels: code c reads c * scale + zero
-        levels = torch.arange(1 << bits, dtype=torch.float32, device=x.device)
-    mids = (levels[1:] + levels[:-1]) / 2
-    s = _per_value(scale.float(), group_size, axis, start_offset, x.shape)  # [B, h, T, D]
-    z = None if zero is None else _per_value(zero.float(), group_size, axis, start_offset, x.shape)
-    if x.device.type == "cpu" and native_unavailable(D) is None:
+    else:  # the reference's scales (every device encodes other formats so), without its nearest-level codes
+        scale, zero = group_scales(x, bits, group_size, axis, start_offset, fmt)
+    s, z, levels, mids = loop_inputs(scale, zero, bits, group_size, axis, start_offset, x.shape, fmt)
+    if x.device.type == "cpu" and native_unavailable(x.shape[-1]) is None:
         codes = _native_codes(x.float(), s, z, order, levels, mids, factor)
+    elif x.is_cuda and triton_available():
+        from .triton_kernels import feedback_codes
+
+        codes = feedback_codes(x, s, z, order, levels, mids, factor)
     else:
-        idx = order.view(1, h, 1, D).expand(B, h, T, D)
-
-        def coordinate_major(t: torch.Tensor) -> torch.Tensor:  # [B, h, T, D] -> [D, B, h, T] in coding order
-            return torch.gather(t, -1, idx).permute(3, 0, 1, 2).contiguous()
-
-        codes = _torch_codes(coordinate_major(x.float()), coordinate_major(s),
-                             None if z is None else coordinate_major(z), levels, mids, factor)
-        codes = torch.empty(B, h, T, D, dtype=torch.uint8, device=x.device).scatter_(-1, idx, codes.permute(1, 2, 3, 0))
+        codes = torch_feedback_codes(x, s, z, order, levels, mids, factor)
     return pack_codes(codes, bits), scale, zero
+
+
+def loop_inputs(scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group_size: int, axis: str,
+                start_offset: int, shape: torch.Size, fmt: Format | None = None):
+    """What the coding loop reads besides the values: ``(s, z, levels, mids)``, the scale and
+    zero-point (or ``None``) of every value (fp32 ``[B, h, T, D]``), the format's level units (code
+    ``c`` reads ``levels[c] * s (+ z)``) and the midpoints between them."""
+    levels = None if fmt is None or fmt.legacy else fmt.level_units(scale.device)
+    if levels is None:  # uniform min-max levels: code c reads c * scale + zero
+        levels = torch.arange(1 << bits, dtype=torch.float32, device=scale.device)
+    mids = (levels[1:] + levels[:-1]) / 2
+    s = _per_value(scale.float(), group_size, axis, start_offset, shape)  # [B, h, T, D]
+    z = None if zero is None else _per_value(zero.float(), group_size, axis, start_offset, shape)
+    return s, z, levels, mids
+
+
+def torch_feedback_codes(x, s, z, order, levels, mids, factor) -> torch.Tensor:
+    """The coding loop in PyTorch on ``x, s, z [B, h, T, D]`` (values, their scales and zero-points, as
+    :func:`loop_inputs` gives them) in the channels' own order: uint8 codes ``[B, h, T, D]``. The
+    native and Triton loops' test oracle."""
+    B, h, T, D = x.shape
+    idx = order.view(1, h, 1, D).expand(B, h, T, D)
+
+    def coordinate_major(t: torch.Tensor) -> torch.Tensor:  # [B, h, T, D] -> [D, B, h, T] in coding order
+        return torch.gather(t, -1, idx).permute(3, 0, 1, 2).contiguous()
+
+    codes = _torch_codes(coordinate_major(x.float()), coordinate_major(s),
+                         None if z is None else coordinate_major(z), levels, mids, factor)
+    return torch.empty(B, h, T, D, dtype=torch.uint8, device=x.device).scatter_(-1, idx, codes.permute(1, 2, 3, 0))
 
 
 def _native_codes(x, s, z, order, levels, mids, factor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from .qtypes import FULL_PRECISION_BITS, channel_group_size, packed_row_bytes, q
 __all__ = [
     "block_partial_attention",
     "dequantize",
+    "feedback_codes",
     "packed_decode_attention",
     "quantize",
 ]
@@ -484,6 +485,106 @@ def dequantize(
         BLOCK_T=block_t, BLOCK_D=block_d, ZERO=has_zero, E4M3=scale.dtype == torch.uint8,
         LEVELS=not legacy and fmt.level_units() is not None,
         enable_fp_fusion=False,  # keep code * scale + zero as two roundings, like the reference
+    )
+    return out
+
+
+# ============================================================================ error-feedback codes
+@triton.jit
+def _feedback_codes_kernel(
+    X,  # fp32 [B, h, T, D] contiguous: the values, in the channels' own order
+    S,  # fp32 [B, h, T, D]: each value's scale
+    Z,  # fp32 [B, h, T, D]: each value's zero-point (not read without HAS_ZERO)
+    ORDER,  # int64 [h, D]: coding position k -> channel
+    LEVELS,  # fp32 [2**BITS]: level units (code c reads LEVELS[c] * s (+ z))
+    MIDS,  # fp32 [N_MIDS]: midpoints between consecutive levels
+    FACTOR,  # fp32 [h, D, D]: upper Cholesky factor of the permuted inverse metric
+    OUT,  # uint8 [B, h, T, D]: codes, in the channels' own order
+    T,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    N_MIDS: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Codes chosen coordinate by coordinate with the rounding error pushed onward (the loop of
+    :func:`kvplan.kernels.feedback._torch_codes`, same arithmetic in the same order).
+
+    Grid ``(cdiv(T, BLOCK_T), B * h)``: program ``(i, bh)`` codes tokens ``[i * BLOCK_T, (i + 1) *
+    BLOCK_T)`` of head-row ``bh``, holding them as a ``[BLOCK_T, BLOCK_D]`` tile whose column ``k`` is
+    coding position ``k`` (channel ``ORDER[head, k]``); step ``d`` reads column ``d``, picks its level
+    (the number of midpoints below ``(x - z) / s``, as ``torch.bucketize``), and subtracts
+    ``FACTOR[head, d, k] * err`` from every column ``k > d``.
+    """
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    head = bh % H
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    k = tl.arange(0, BLOCK_D)
+    k_ok = k < D
+    t_ok = t < T
+    m2 = t_ok[:, None] & k_ok[None, :]
+    ch = tl.load(ORDER + head * D + k, mask=k_ok, other=0)  # [BLOCK_D] channel of coding position k
+    off = bh * T * D + t[:, None].to(tl.int64) * D + ch[None, :]
+    x = tl.load(X + off, mask=m2, other=0.0)  # [BLOCK_T, BLOCK_D], columns in coding order
+    s = tl.load(S + off, mask=m2, other=0.0)
+    if HAS_ZERO:
+        z = tl.load(Z + off, mask=m2, other=0.0)
+    mi = tl.arange(0, BLOCK_M)
+    mids = tl.load(MIDS + mi, mask=mi < N_MIDS, other=float("inf"))  # [BLOCK_M], padding never below
+    codes = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.int32)
+    fbase = FACTOR + head * D * D
+    for d in range(D):
+        col = (k == d)[None, :]  # [1, BLOCK_D]
+        xd = tl.sum(tl.where(col, x, 0.0), axis=1)  # [BLOCK_T]: exactly column d
+        sd = tl.sum(tl.where(col, s, 0.0), axis=1)
+        safe = tl.where(sd > 0, sd, 1.0)
+        if HAS_ZERO:
+            zd = tl.sum(tl.where(col, z, 0.0), axis=1)
+            u = xd - zd
+        else:
+            u = xd
+        v = tl.math.div_rn(u, safe)
+        c = tl.sum((mids[None, :] < v[:, None]).to(tl.int32), axis=1)  # [BLOCK_T]
+        codes = tl.where(col, c[:, None], codes)
+        lev = tl.load(LEVELS + c)
+        if HAS_ZERO:
+            read = lev * sd + zd
+        else:
+            read = lev * sd
+        diag = tl.load(fbase + d * D + d)
+        err = tl.math.div_rn(xd - read, diag)  # [BLOCK_T]
+        push = tl.load(fbase + d * D + k, mask=k_ok & (k > d), other=0.0)  # [BLOCK_D]
+        x = tl.where((k > d)[None, :], x - push[None, :] * err[:, None], x)
+    codes = tl.where(s > 0, codes, 0)
+    tl.store(OUT + off, codes.to(tl.uint8), mask=m2)
+
+
+def feedback_codes(x: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, order: torch.Tensor,
+                   levels: torch.Tensor, mids: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[B, h, T, D]`` of ``x [B, h, T, D]`` under per-value scales ``s`` and zero-points
+    ``z`` (or ``None``), chosen by error feedback under ``(factor [h, D, D], order [h, D])`` of
+    :func:`kvplan.kernels.feedback.feedback_factors`; the same codes as the PyTorch loop
+    (:func:`kvplan.kernels.feedback._torch_codes`), which is the test oracle."""
+    B, h, T, D = x.shape
+    x, s = x.float().contiguous(), s.float().contiguous()
+    has_zero = z is not None
+    z = z.float().contiguous() if has_zero else s  # without zero-points: a placeholder the kernel does not read
+    out = torch.empty(B, h, T, D, dtype=torch.uint8, device=x.device)
+    if T == 0 or B * h == 0:
+        return out
+    n_mids = mids.numel()
+    block_d = max(triton.next_power_of_2(D), 8)
+    block_t = max(1, min(triton.next_power_of_2(T), max(1, 2048 // block_d)))
+    grid = (triton.cdiv(T, block_t), B * h)
+    _feedback_codes_kernel[grid](
+        x, s, z, order.to(torch.int64).contiguous(), levels.float().contiguous(), mids.float().contiguous(),
+        factor.float().contiguous(), out, T,
+        H=h, D=D, N_MIDS=n_mids, HAS_ZERO=has_zero, BLOCK_T=block_t, BLOCK_D=block_d,
+        BLOCK_M=max(triton.next_power_of_2(n_mids), 2),
+        enable_fp_fusion=False,  # level * scale + zero and x - push * err as two roundings, like the loop
     )
     return out
 

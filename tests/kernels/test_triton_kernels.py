@@ -259,6 +259,47 @@ def test_packed_decode_attention_rejects_bad_heads():
         tk.packed_decode_attention(q, on_device(kb, DEVICE), on_device(vb, DEVICE), _to(kr), _to(vr))
 
 
+# ----------------------------------------------------------------------------- error-feedback codes
+FEEDBACK_CASES = [  # (format, bits, axis, head_dim): v1 min-max, codebook + absmax-e4m3, fp8 min-max, 8-bit
+    pytest.param(None, 2, "channel", 64, id="v1-int2-channel"),
+    pytest.param(Format(2, "absmax-e4m3", default_codebook(2, "absmax-e4m3", 64)), 2, "token", 64, id="lloyd2-absmax"),
+    pytest.param(Format(4, "minmax-e4m3"), 4, "channel", 64, id="int4-minmax-e4m3"),
+    pytest.param(None, 8, "token", 64, id="v1-int8-token"),
+    pytest.param(None, 3, "token", 96, id="v1-int3-token-D96"),  # head_dim not a power of two
+]
+
+
+def _feedback_inputs(fmt, bits, axis, D, T):
+    """Values with zero-scale groups (a constant channel, an all-zero token), their per-value scales,
+    zero-points and levels, and the factors of a skewed metric (as ``tests/kernels/test_feedback.py``)."""
+    from kvplan.kernels.feedback import feedback_factors, loop_inputs
+    from tests.kernels.test_feedback import _skewed_metric
+
+    x = torch.randn(1, 3, T, D, generator=torch.Generator().manual_seed(D + bits)) * 3
+    x[:, 1, :, 5] = 0.7
+    x[:, 2, 7, :] = 0.0
+    offset = 5 if axis == "channel" else 0
+    scale, zero = reference.group_scales(x, bits, 32, axis, offset, fmt)
+    s, z, levels, mids = loop_inputs(scale, zero, bits, 32, axis, offset, x.shape, fmt)
+    factor, order = feedback_factors(_skewed_metric(3, D, 5))
+    return x, s, z, order, levels, mids, factor
+
+
+@pytest.mark.parametrize("fmt,bits,axis,D", FEEDBACK_CASES)
+def test_feedback_codes_match_the_torch_loop(fmt, bits, axis, D):
+    """The Triton coding loop picks the PyTorch loop's codes bit for bit (zero-scale groups included),
+    so a plan's values are stored alike on CUDA and on the CPU."""
+    from kvplan.kernels.feedback import torch_feedback_codes
+
+    args = _feedback_inputs(fmt, bits, axis, D, T=20)
+    want = torch_feedback_codes(*args)
+    got = tk.feedback_codes(*(_to(a) for a in args))
+    assert got.dtype == torch.uint8 and got.shape == want.shape
+    assert torch.equal(got.cpu(), want)
+    nearest = torch_feedback_codes(*args[:6], torch.eye(D).expand(3, D, D).contiguous())  # nothing pushed onward
+    assert not torch.equal(want, nearest)  # the case exercises the feedback, not just the rounding
+
+
 def test_import_kvplan_does_not_import_triton_kernels():
     # (Recent torch imports triton itself, so check for our kernel module, not for triton.)
     code = (
@@ -298,3 +339,21 @@ def test_packed_decode_attention_large_gpu(dtype, codec):
     ref = reference_decode_attention(q, kb, vb, kr, vr, mask)
     out = tk.packed_decode_attention(_to(q), on_device(kb, DEVICE), on_device(vb, DEVICE), _to(kr), _to(vr), _to(mask))
     torch.testing.assert_close(out.float().cpu(), ref.float(), atol=ATTN_TOL[dtype][0], rtol=ATTN_TOL[dtype][1])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,bits,axis,D", FEEDBACK_CASES)
+def test_quantize_with_feedback_large_gpu(fmt, bits, axis, D):
+    """The cache's encoder on CUDA (Triton scales for v1, the Triton coding loop) stores what the
+    CPU encoder stores: same scales / zero-points, codes bit for bit."""
+    from kvplan.kernels.feedback import quantize_with_feedback
+
+    x, _, _, order, _, _, factor = _feedback_inputs(fmt, bits, axis, D, T=700)
+    cpu = quantize_with_feedback(x, bits, 32, axis, 5 if axis == "channel" else 0, factor, order, fmt=fmt)
+    dev = quantize_with_feedback(_to(x), bits, 32, axis, 5 if axis == "channel" else 0, _to(factor), _to(order),
+                                 fmt=fmt)
+    for a, b in zip(dev, cpu):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a.cpu(), b)
