@@ -577,7 +577,8 @@ def feedback_codes(x: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, ord
         return out
     n_mids = mids.numel()
     block_d = max(triton.next_power_of_2(D), 8)
-    block_t = max(1, min(triton.next_power_of_2(T), max(1, 2048 // block_d)))
+    # four [BLOCK_T, BLOCK_D] fp32 / int32 tiles live for the whole loop: 1024 values each
+    block_t = max(1, min(triton.next_power_of_2(T), max(1, 1024 // block_d)))
     grid = (triton.cdiv(T, block_t), B * h)
     _feedback_codes_kernel[grid](
         x, s, z, order.to(torch.int64).contiguous(), levels.float().contiguous(), mids.float().contiguous(),
