@@ -209,6 +209,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .search.space import (DEFAULT_FORMATS, DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS, DEFAULT_SINK_BITS,
+                               DEFAULT_TRIALS)
     from ._version import __version__
 
     p = _Parser(prog="kvplan", description="Find, explain and deploy mixed-precision KV-cache plans.")
@@ -222,9 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="smollm2-135m", help="model name, .gguf file, directory or hub id")
     s.add_argument("--granularity", default="slot", choices=["slot", "layer_kv", "layer", "kvtuner"],
                    help="slot = layer x KV head x K/V x modality; layer_kv = KVTuner space; kvtuner = its pairs")
-    s.add_argument("--trials", type=_positive, default=60,
+    s.add_argument("--trials", type=_positive, default=DEFAULT_TRIALS,
                    help="real (scored) evaluations in the study, after the sensitivity profile "
-                        "(100 evaluations on the default model)")
+                        "(100 evaluations on the default model); default %(default)s, chosen on the validation split")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--task", default="default",
                    help="'default' (offline Python docs) or a JSONL task file (records: history, optional images, "
@@ -282,7 +284,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantize keys as the model caches them (after RoPE) instead of rotated back to the "
                         "pre-RoPE frame")
     from .kernels.formats import SCALINGS
-    from .search.space import DEFAULT_FORMATS, DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS, DEFAULT_SINK_BITS
 
     for kind in ("key", "value"):
         s.add_argument(f"--{kind}-scaling", choices=sorted(SCALINGS), default=None,

@@ -90,7 +90,7 @@ from .key_basis import basis_of_moments, query_second_moments
 from .sensitivity import DEFAULT_HEAD_UNITS, correction_factor, recent_factor, run_profile, slot_sensitivity
 from .space import (DEFAULT_BITS, DEFAULT_FORMATS, DEFAULT_GROUP_SIZES, DEFAULT_KEY_AXES, DEFAULT_KEY_CORRECTION_RANK,
                     DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS, DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS,
-                    DEFAULT_SINK_LENGTHS, SearchSpace)
+                    DEFAULT_SINK_LENGTHS, DEFAULT_TRIALS, SearchSpace)
 from ..errors import describe
 from ..plans._files import sidecar_paths, write_file_set  # noqa: F401 -- sidecar_paths is public here
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
@@ -623,7 +623,7 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- public API
-def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_trials: int = 60, seed: int = 0,
+def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_trials: int = DEFAULT_TRIALS, seed: int = 0,
            storage=None, study_name: str | None = None, out: str | os.PathLike | None = None, *,
            task: str = "default", context_len: int | None = None,
            scorer: Scorer | None = None, validation_scorer: Scorer | None = None, test_scorer: Scorer | None = None,
