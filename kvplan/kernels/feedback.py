@@ -16,7 +16,8 @@ a loop over the coordinates: on the CPU the native C loop (``kvp_feedback_codes`
 ``kernels/native/attention_cpu.c``: eight tokens at once, one per SIMD lane) when the native kernels
 build here (as the decode attention, :func:`kvplan.kernels.native_unavailable`), on CUDA the Triton
 kernel (:func:`kvplan.kernels.triton_kernels.feedback_codes`: one program per block of tokens of a
-head, the loop in registers). Both give the same codes bit for bit as the loop in PyTorch
+head, the loop in registers; checked under Triton's interpreter, not yet compiled on a GPU). Both give
+the same codes bit for bit as the loop in PyTorch
 (:func:`_torch_codes`: D steps of tensor ops per block), which runs where neither is available and is
 their test oracle. Cost: ``bench/results/feedback_cost.md``.
 """

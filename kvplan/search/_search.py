@@ -623,8 +623,8 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- public API
-def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_trials: int = DEFAULT_TRIALS, seed: int = 0,
-           storage=None, study_name: str | None = None, out: str | os.PathLike | None = None, *,
+def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_trials: int = DEFAULT_TRIALS,
+           seed: int = 0, storage=None, study_name: str | None = None, out: str | os.PathLike | None = None, *,
            task: str = "default", context_len: int | None = None,
            scorer: Scorer | None = None, validation_scorer: Scorer | None = None, test_scorer: Scorer | None = None,
            heldout_scorer: Scorer | None = None, final_candidates: int = 3, reference: Reference | None = None,
