@@ -567,7 +567,7 @@ def feedback_codes(x: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, ord
     """uint8 codes ``[B, h, T, D]`` of ``x [B, h, T, D]`` under per-value scales ``s`` and zero-points
     ``z`` (or ``None``), chosen by error feedback under ``(factor [h, D, D], order [h, D])`` of
     :func:`kvplan.kernels.feedback.feedback_factors`; the same codes as the PyTorch loop
-    (:func:`kvplan.kernels.feedback._torch_codes`), which is the test oracle."""
+    (:func:`kvplan.kernels.feedback.torch_feedback_codes`, same arguments), which is the test oracle."""
     B, h, T, D = x.shape
     x, s = x.float().contiguous(), s.float().contiguous()
     has_zero = z is not None
