@@ -49,32 +49,20 @@ def key_ranking(profile: dict, n_layers: int, n_heads: int) -> list[tuple[int, i
     return sorted(score, key=lambda lh: -score[lh])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("plan")
-    ap.add_argument("--model", default="smollm2-135m", help="the model the plan was searched on (a kvplan.load_model "
-                    "name, .gguf file or directory; default: the embedded default model)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "codec_baselines.md"))
-    args = ap.parse_args()
-    torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "1")))
-    t0 = time.time()
-    searched = Plan.from_yaml(args.plan)
-    sidecar = os.path.splitext(args.plan)[0] + ".search.json"
-    profile = json.load(open(sidecar))["profile"]
-    budget = searched.target_bpv or searched.bpv().total
+def baseline_plans(searched: Plan, profile: dict, budget: float) -> list[tuple[str, Plan]]:
+    """The codec-only baselines of ``searched`` at ``budget`` (its quantizer, no search): uniform K2V2
+    (with and without the key correction on every key when the plan corrects keys) and the
+    HeadGuard-style plans with key heads at 4 or 3 bits in ``profile``'s order; ``(label, plan)``."""
     g, q = searched.geometry, searched.quantizer
-    test = task_scorers(args.model, n_calibration=1, n_validation=0, n_test=16, progress=False).test
     corr = CORRECTED if q.key_correction_rank else 0
 
-    def plan_of(key_codes: np.ndarray, name: str) -> Plan:
+    def plan_of(key_codes: np.ndarray, name: str) -> Plan:  # key codes [L, H_kv], every value slot 2 bits
         table = np.full((g.num_layers, g.num_kv_heads, 2, len(searched.modalities)), 2, dtype=np.int64)
         table[:, :, 0, :] = key_codes[:, :, None]
         return searched.replace(name=name, metrics={}).with_table(table)
 
-    rows = [("searched (kvplan search)", searched)]
     base = np.full((g.num_layers, g.num_kv_heads), 2, dtype=np.int64)
-    rows.append(("uniform K2V2", plan_of(base, "uniform-k2v2")))
+    rows = [("uniform K2V2", plan_of(base, "uniform-k2v2"))]
     if corr:
         rows.append(("uniform K2V2, key correction on every key", plan_of(base + corr, "uniform-k2v2-corr")))
     order = key_ranking(profile, g.num_layers, g.num_kv_heads)
@@ -89,6 +77,25 @@ def main() -> None:
             keys, n = trial, n + 1
         rows.append((f"HeadGuard-style: {n} key heads at {high} bits, rest K2{'+corr' if corr else ''}V2",
                      plan_of(keys, f"headguard-k{high}")))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plan")
+    ap.add_argument("--model", default="smollm2-135m", help="the model the plan was searched on (a kvplan.load_model "
+                    "name, .gguf file or directory; default: the embedded default model)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "codec_baselines.md"))
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "1")))
+    t0 = time.time()
+    searched = Plan.from_yaml(args.plan)
+    sidecar = os.path.splitext(args.plan)[0] + ".search.json"
+    profile = json.load(open(sidecar))["profile"]
+    budget = searched.target_bpv or searched.bpv().total
+    test = task_scorers(args.model, n_calibration=1, n_validation=0, n_test=16, progress=False).test
+    rows = [("searched (kvplan search)", searched)] + baseline_plans(searched, profile, budget)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"# Searched plan vs codec-only baselines at {budget:g} bpv (test split)", "",
              f"Command: `python bench/codec_baselines.py {' '.join(sys.argv[1:])}` at commit {commit} (method in "

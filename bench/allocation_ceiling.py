@@ -1,0 +1,151 @@
+"""How far can bit allocation alone go below the codec-only baselines? The search's own damage model.
+
+    python bench/allocation_ceiling.py bench/results/search-2.5bpv.yaml   # -> bench/results/allocation_ceiling.md
+
+Issue 14 asks the searched plan for at most half the KL of the best codec-only baseline (uniform and
+HeadGuard-style plans with kvplan's formats, ``bench/codec_baselines.py``). Every plan here has the
+searched plan's quantizer (formats, rotations, group, sink, recent copies, error feedback); they differ
+only in the bits of the 2 x L x H_kv slots, so the ratio measures what allocation buys.
+
+The search's prior of a plan's damage (``kvplan.search.budget.group_damage``) is the sum over slots of
+the slot's calibration-profile damage at 2 bits (``<plan>.search.json``: one unit at 2 bits, the rest
+full precision) times the squared step-size ratio ``(3 / (2^b - 1))^2`` (x the profile's correction
+factor for corrected keys). Under that additive model the **best** allocation at the plan's budget is
+the multiple-choice knapsack over the slots' levels; the greedy by damage removed per bpv
+(``knapsack_seed``, the search's own seed) reaches it up to the last item. Rows:
+
+* predicted damage of the searched plan, the baselines and the model's optimum, each relative to the
+  best baseline's; the optimum's ratio is the model's ceiling for allocation at this budget;
+* the same optimum with a hypothetical **1-bit** level (not a kvplan format; its cost is the 2-bit cost
+  minus one bit per value, its damage ``k`` times the 2-bit damage: ``k = 9`` by the prior's formula,
+  ``k = 3.1`` for Lloyd-Max codes of a Gaussian, 0.363 / 0.1175), to say what that format could add;
+* measured **test** KL (the test scorer of ``kvplan search``, 16 samples, the deployed route; reported,
+  nothing is chosen here) of the searched plan, the baselines and the model's optimum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.codec_baselines import baseline_plans  # noqa: E402
+from kvplan import Plan  # noqa: E402
+from kvplan.plans import atomic_write_text  # noqa: E402
+from kvplan.search import BpvModel, SearchSpace  # noqa: E402
+from kvplan.search.budget import group_damage, knapsack_seed  # noqa: E402
+from kvplan.search.scorers import task_scorers  # noqa: E402
+from kvplan.search.sensitivity import correction_factor, slot_sensitivity  # noqa: E402
+
+ONE_BIT_DAMAGE = {"prior's formula, k = 9": 9.0, "Gaussian Lloyd-Max, k = 3.1": 0.3634 / 0.1175}
+
+
+def plan_space(plan: Plan) -> SearchSpace:
+    """The slot search space of the search, with every quantizer-level choice fixed to ``plan``'s."""
+    q = plan.quantizer
+    return SearchSpace(plan.geometry, plan.modalities, "slot", key_basis=plan.key_basis, rotation=q.rotation,
+                       rope_inv_freq=plan.rope_inv_freq, key_scaling=q.key_scaling, value_scaling=q.value_scaling,
+                       codebooks=tuple(sorted({k for k, _, _ in q.codebooks})), residual_bits=q.residual_bits,
+                       sink_bits=q.sink_bits, recent_lengths=(q.recent_length,), sink_lengths=(q.sink_length,),
+                       group_sizes=(q.group_size,), residual_lengths=(q.residual_length,),
+                       feedback_metric=plan.feedback_metric)
+
+
+def one_bit_optimum(costs: np.ndarray, damage: np.ndarray, bit_cost: np.ndarray, k: float, budget: float) -> float:
+    """Damage of the greedy knapsack when every slot may also take a 1-bit level costing ``bit_cost``
+    less than its cheapest level and ``k`` times its damage there; ``costs`` / ``damage`` are
+    ``[n_slots, n_levels]`` (bpv contributions, inf padding), level 0 the 2-bit one."""
+    cost = np.concatenate([costs[:, :1] - bit_cost[:, None], costs], axis=1)
+    dmg = np.concatenate([damage[:, :1] * k, damage], axis=1)
+    idx = np.arange(len(cost))
+    levels = np.zeros(len(cost), dtype=np.int64)
+    slack = budget - cost[:, 0].sum()
+    while True:
+        d_cost = cost - cost[idx, levels][:, None]
+        d_dmg = dmg[idx, levels][:, None] - dmg
+        ok = (d_cost > 0) & (d_cost <= slack + 1e-12) & (d_dmg > 0) & np.isfinite(d_cost)
+        if not ok.any():
+            return float(dmg[idx, levels].sum())
+        ratio = np.where(ok, d_dmg / np.where(ok, d_cost, 1.0), -np.inf)
+        gi, lv = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
+        slack -= d_cost[gi, lv]
+        levels[gi] = lv
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plan")
+    ap.add_argument("--model", default="smollm2-135m", help="the model the plan was searched on")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "allocation_ceiling.md"))
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "1")))
+    t0 = time.time()
+    searched = Plan.from_yaml(args.plan)
+    with open(os.path.splitext(args.plan)[0] + ".search.json") as f:
+        profile = json.load(f)["profile"]
+    budget = searched.target_bpv or searched.bpv().total
+    space = plan_space(searched)
+    model = BpvModel(space, searched.reference)
+    damage = group_damage(space, slot_sensitivity(space, profile), correction_factor(profile))
+    q = searched.quantizer
+
+    def predicted(plan: Plan) -> float:
+        levels = space.levels_of_table(plan.code_table())
+        if levels is None:
+            raise SystemExit(f"{plan.name}: its bit table is not in the slot search space")
+        return float(damage[np.arange(len(levels)), levels].sum())
+
+    optimum_levels = knapsack_seed(model, q, budget, damage)
+    optimum = space.plan_of_table(space.table_of_levels(optimum_levels), q, searched.reference).replace(
+        name="model-optimum", metrics={})
+    rows = [("searched (kvplan search)", searched)] + baseline_plans(searched, profile, budget)
+    rows.append(("the damage model's optimum (knapsack over the slots' levels)", optimum))
+    best_pred = min(predicted(p) for label, p in rows if label.startswith("HeadGuard") or label.startswith("uniform"))
+
+    terms = model.terms(q)
+    n_values = model.n_values(q)
+    # one bit per value of a slot, in bpv of the whole cache: its 2-bit -> 3-bit step (same scales and
+    # zero-points, no correction); every slot's cheapest level is its uncorrected 2-bit one
+    def level_of(g, code: int) -> int:
+        return int(np.nonzero((g.level_bits == code).all(axis=1))[0][0])
+
+    assert all(level_of(g, 2) == 0 for g in space.groups), "every slot's cheapest level must be 2 bits"
+    bit_cost = np.array([terms.group_cost[gi, level_of(g, 3)] - terms.group_cost[gi, 0]
+                         for gi, g in enumerate(space.groups)])
+    one_bit = {name: one_bit_optimum(terms.group_cost, damage, bit_cost, k, budget - terms.const)
+               for name, k in ONE_BIT_DAMAGE.items()}
+
+    test = task_scorers(args.model, n_calibration=1, n_validation=0, n_test=16, progress=False).test
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = [f"# Bit allocation's ceiling at {budget:g} bpv: the search's damage model", "",
+             f"Command: `python bench/allocation_ceiling.py {' '.join(sys.argv[1:])}` at commit {commit} (method "
+             f"in the script's docstring; {n_values} values at the plan's reference).", "",
+             "| plan | honest bpv | predicted damage / best baseline's | test KL [95% CI] | test KL / best baseline's |",
+             "|---|---:|---:|---|---:|"]
+    measured = []
+    for label, plan in rows:
+        m = test(plan)
+        measured.append((label, plan, m))
+        print(label, m["kl"], flush=True)
+    best_kl = min(m["kl"] for label, _, m in measured if label.startswith(("HeadGuard", "uniform")))
+    for label, plan, m in measured:
+        lines.append(f"| {label} | {plan.bpv().total:.4f} | {predicted(plan) / best_pred:.2f} | {m['kl']:.4f} "
+                     f"[{m['kl_ci95_lo']:.4f}, {m['kl_ci95_hi']:.4f}] | {m['kl'] / best_kl:.2f} |")
+    lines += ["", "With a hypothetical 1-bit level (damage model only, not measured):", "",
+              "| 1-bit damage | predicted optimum / best baseline's |", "|---|---:|"]
+    lines += [f"| {name} | {d / best_pred:.2f} |" for name, d in one_bit.items()]
+    lines += ["", f"Wall time {time.time() - t0:.0f} s."]
+    atomic_write_text(args.out, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
