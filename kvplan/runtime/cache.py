@@ -58,6 +58,19 @@ def layer_rotations(head_dim: int, rotation: str, inv_freq, device) -> dict[str,
             "v": None if H is None else Rotation(H)}
 
 
+def _layer_feedback(metric, layer: int, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per kind, the error-feedback encoder's ``(U [H_kv, D, D], order [H_kv, D])`` of one layer of a
+    plan's ``feedback_metric``: factorized once per metric, layer and device and kept on the metric
+    (a plan constant; every cache of the plan, e.g. one per scored sample, reads the same read-only
+    tensors)."""
+    memo = metric.__dict__.setdefault("_factors", {})
+    key = (layer, str(device))
+    if key not in memo:
+        memo[key] = {kind: feedback_factors(torch.from_numpy(metric.array[layer, i].astype("float32")).to(device))
+                     for i, kind in enumerate(KINDS)}
+    return memo[key]
+
+
 class KVPlanLayer(CacheLayerMixin):
     """One decoder layer of a :class:`KVPlanCache`.
 
@@ -123,9 +136,7 @@ class KVPlanLayer(CacheLayerMixin):
                           torch.from_numpy(basis.array[self.layer_idx].astype("float32")).to(self.device))
         self.rotation = plan_rotations(self.owner.plan, self.device, self.layer_idx)
         metric = self.owner.plan.feedback_metric
-        self.feedback = {} if metric is None else {
-            kind: feedback_factors(torch.from_numpy(metric.array[self.layer_idx, i].astype("float32")).to(self.device))
-            for i, kind in enumerate(KINDS)}
+        self.feedback = {} if metric is None else _layer_feedback(metric, self.layer_idx, self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

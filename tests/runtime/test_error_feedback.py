@@ -96,6 +96,38 @@ def test_codes_change_bytes_do_not_and_the_metric_error_drops(model):
         assert errors["feedback"] < 0.8 * errors["plain"], (kind, errors)
 
 
+def test_caches_of_one_plan_share_its_factorized_metric(model, monkeypatch):
+    """The metric is factorized once per layer (a plan constant), not once per cache: a second cache
+    of the plan (e.g. the next scored sample) reuses the same tensors, which equal a fresh
+    factorization; a plan with another metric gets its own."""
+    from kvplan.kernels.feedback import feedback_factors
+    from kvplan.runtime import cache as cache_module
+
+    _, fb = _plans(model)
+    calls = []
+    monkeypatch.setattr(cache_module, "feedback_factors", lambda m: calls.append(1) or feedback_factors(m))
+    states = torch.randn(1, 2, 40, 32, generator=torch.Generator().manual_seed(5))
+
+    def layers_of(plan):
+        cache = KVPlanCache(plan, model)
+        for layer in cache.layers:
+            layer.update(states, states.flip(-1))
+        return cache.layers
+
+    first, second = layers_of(fb), layers_of(fb)
+    n_layers = len(first)
+    assert len(calls) == 2 * n_layers  # k and v of each layer, once
+    for a, b in zip(first, second):
+        for kind, i in (("k", 0), ("v", 1)):
+            assert a.feedback[kind][0] is b.feedback[kind][0] and a.feedback[kind][1] is b.feedback[kind][1]
+            fresh = feedback_factors(torch.from_numpy(fb.feedback_metric.array[a.layer_idx, i].astype("float32")))
+            assert torch.equal(a.feedback[kind][0], fresh[0]) and torch.equal(a.feedback[kind][1], fresh[1])
+    other = fb.replace(feedback_metric=fb.feedback_metric.array.astype("float32") * 2)
+    third = layers_of(other)
+    assert len(calls) == 4 * n_layers
+    assert not torch.equal(third[0].feedback["k"][0], first[0].feedback["k"][0])
+
+
 @pytest.mark.parametrize("attention", KERNELS)
 def test_generation_with_feedback_codes_on_every_route(model, attention):
     """Only the encoder changed: every decode route reads the codes the dequantize route reads."""
