@@ -90,7 +90,7 @@ class KVPlanLayer(CacheLayerMixin):
         self.window = plan.geometry.window(layer_idx)  # None: keeps its whole history
         self.is_sliding = plan.geometry.layer_types[layer_idx] == "sliding"
         self.dropped = 0  # positions before it are freed (sliding-window layers)
-        table = plan.code_table()[layer_idx]  # [H_kv, 2, M] format codes (bits, + CORRECTED if corrected)
+        table = owner.code_table[layer_idx]  # [H_kv, 2, M] format codes (bits, + CORRECTED if corrected)
         # kind -> modality -> [(code, heads)] head groups sharing a quantizer setting
         self.head_groups: dict[str, dict[str, list[tuple[int, tuple[int, ...]]]]] = {}
         for k, kind in enumerate(KINDS):
@@ -495,6 +495,8 @@ class KVPlanCache(Cache):
         self.attention_kernel = attention_kernel
         self.commits_paused = False
         self._labels: list[str] = []
+        # format codes [L, H_kv, 2, M] (bits, + CORRECTED if corrected), resolved from the rules once
+        self.code_table = plan.code_table()
         super().__init__(layers=[KVPlanLayer(self, i) for i in range(geometry.num_layers)])
 
     def pause_commits(self) -> None:
