@@ -41,7 +41,7 @@ from bench.codec_baselines import baseline_plans  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
 from kvplan.search import BpvModel, SearchSpace  # noqa: E402
-from kvplan.search.budget import group_damage, knapsack_seed  # noqa: E402
+from kvplan.search.budget import greedy_knapsack, group_damage, knapsack_seed  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
 from kvplan.search.sensitivity import correction_factor, slot_sensitivity  # noqa: E402
 
@@ -59,26 +59,15 @@ def plan_space(plan: Plan) -> SearchSpace:
                        feedback_metric=plan.feedback_metric)
 
 
-def one_bit_optimum(costs: np.ndarray, damage: np.ndarray, bit_cost: np.ndarray, k: float, budget: float) -> float:
-    """Damage of the greedy knapsack when every slot may also take a 1-bit level costing ``bit_cost``
-    less than its cheapest level and ``k`` times its damage there; ``costs`` / ``damage`` are
-    ``[n_slots, n_levels]`` (bpv contributions, inf padding), level 0 the 2-bit one."""
+def one_bit_optimum(costs: np.ndarray, damage: np.ndarray, bit_cost: np.ndarray, k: float, slack: float) -> float:
+    """Damage of the search's greedy knapsack when every slot may also take a 1-bit level costing
+    ``bit_cost`` less than its cheapest level and ``k`` times its damage there; ``costs`` / ``damage``
+    are ``[n_slots, n_levels]`` (bpv contributions, inf padding), level 0 the 2-bit one; ``slack`` is
+    the budget above the all-1-bit plan."""
     cost = np.concatenate([costs[:, :1] - bit_cost[:, None], costs], axis=1)
     dmg = np.concatenate([damage[:, :1] * k, damage], axis=1)
-    idx = np.arange(len(cost))
-    levels = np.zeros(len(cost), dtype=np.int64)
-    slack = budget - cost[:, 0].sum()
-    while True:
-        d_cost = cost - cost[idx, levels][:, None]
-        d_dmg = dmg[idx, levels][:, None] - dmg
-        ok = (d_cost > 0) & (d_cost <= slack + 1e-12) & (d_dmg > 0) & np.isfinite(d_cost)
-        if not ok.any():
-            return float(dmg[idx, levels].sum())
-        ratio = np.where(ok, d_dmg / np.where(ok, d_cost, 1.0), -np.inf)
-        gi, lv = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
-        slack -= d_cost[gi, lv]
-        levels[gi] = lv
-
+    levels = greedy_knapsack(cost, dmg, slack)
+    return float(dmg[np.arange(len(levels)), levels].sum())
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -121,8 +110,8 @@ def main() -> None:
     assert all(level_of(g, 2) == 0 for g in space.groups), "every slot's cheapest level must be 2 bits"
     bit_cost = np.array([terms.group_cost[gi, level_of(g, 3)] - terms.group_cost[gi, 0]
                          for gi, g in enumerate(space.groups)])
-    one_bit = {name: one_bit_optimum(terms.group_cost, damage, bit_cost, k, budget - terms.const)
-               for name, k in ONE_BIT_DAMAGE.items()}
+    slack = budget - terms.const - float((terms.group_cost[:, 0] - bit_cost).sum())
+    one_bit = {name: one_bit_optimum(terms.group_cost, damage, bit_cost, k, slack) for name, k in ONE_BIT_DAMAGE.items()}
 
     test = task_scorers(args.model, n_calibration=1, n_validation=0, n_test=16, progress=False).test
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

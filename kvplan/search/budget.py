@@ -261,13 +261,19 @@ def knapsack_seed(model: BpvModel, q: QuantizerSettings, budget: float, damage: 
     """Greedy multiple-choice knapsack: start at the floor, repeatedly take the upgrade (to any higher
     level) with the most predicted damage removed per bpv spent that still fits; returns levels."""
     t = model.terms(q)
-    n = len(model.space.groups)
-    levels = np.zeros(n, dtype=np.int64)
     slack = budget - t.floor
     if slack < -EPS:
         raise BudgetError(f"quantizer {q} cannot reach {budget:g} bpv (floor {t.floor:.4f})")
+    return greedy_knapsack(t.group_cost, damage, slack)
+
+
+def greedy_knapsack(cost: np.ndarray, damage: np.ndarray, slack: float) -> np.ndarray:
+    """The greedy of :func:`knapsack_seed` on any ``cost`` / ``damage`` ``[n_groups, n_levels]`` (inf
+    padding): every group starts at level 0; ``slack`` is what the upgrades may add to the cost."""
+    n = len(cost)
+    levels = np.zeros(n, dtype=np.int64)
     idx = np.arange(n)
-    cost = np.where(np.isfinite(t.group_cost), t.group_cost, np.inf)
+    cost = np.where(np.isfinite(cost), cost, np.inf)
     dmg = np.where(np.isfinite(damage), damage, np.inf)
     while True:
         d_cost = cost - cost[idx, levels][:, None]  # [n, max_lv]
