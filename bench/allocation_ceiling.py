@@ -69,6 +69,7 @@ def one_bit_optimum(costs: np.ndarray, damage: np.ndarray, bit_cost: np.ndarray,
     levels = greedy_knapsack(cost, dmg, slack)
     return float(dmg[np.arange(len(levels)), levels].sum())
 
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("plan")
@@ -96,9 +97,10 @@ def main() -> None:
     optimum_levels = knapsack_seed(model, q, budget, damage)
     optimum = space.plan_of_table(space.table_of_levels(optimum_levels), q, searched.reference).replace(
         name="model-optimum", metrics={})
-    rows = [("searched (kvplan search)", searched)] + baseline_plans(searched, profile, budget)
-    rows.append(("the damage model's optimum (knapsack over the slots' levels)", optimum))
-    best_pred = min(predicted(p) for label, p in rows if label.startswith("HeadGuard") or label.startswith("uniform"))
+    baselines = baseline_plans(searched, profile, budget)
+    rows = [("searched (kvplan search)", searched), *baselines,
+            ("the damage model's optimum (knapsack over the slots' levels)", optimum)]
+    best_pred = min(predicted(p) for _, p in baselines)
 
     terms = model.terms(q)
     n_values = model.n_values(q)
@@ -120,13 +122,13 @@ def main() -> None:
              f"in the script's docstring; {n_values} values at the plan's reference).", "",
              "| plan | honest bpv | predicted damage / best baseline's | test KL [95% CI] | test KL / best baseline's |",
              "|---|---:|---:|---|---:|"]
-    measured = []
+    measured = {}  # label -> test metrics
     for label, plan in rows:
-        m = test(plan)
-        measured.append((label, plan, m))
-        print(label, m["kl"], flush=True)
-    best_kl = min(m["kl"] for label, _, m in measured if label.startswith(("HeadGuard", "uniform")))
-    for label, plan, m in measured:
+        measured[label] = test(plan)
+        print(label, measured[label]["kl"], flush=True)
+    best_kl = min(measured[label]["kl"] for label, _ in baselines)
+    for label, plan in rows:
+        m = measured[label]
         lines.append(f"| {label} | {plan.bpv().total:.4f} | {predicted(plan) / best_pred:.2f} | {m['kl']:.4f} "
                      f"[{m['kl_ci95_lo']:.4f}, {m['kl_ci95_hi']:.4f}] | {m['kl'] / best_kl:.2f} |")
     lines += ["", "With a hypothetical 1-bit level (damage model only, not measured):", "",
