@@ -48,15 +48,18 @@ from kvplan.search.sensitivity import correction_factor, slot_sensitivity  # noq
 ONE_BIT_DAMAGE = {"prior's formula, k = 9": 9.0, "Gaussian Lloyd-Max, k = 3.1": 0.3634 / 0.1175}
 
 
-def plan_space(plan: Plan) -> SearchSpace:
-    """The slot search space of the search, with every quantizer-level choice fixed to ``plan``'s."""
+def plan_space(plan: Plan, **choices) -> SearchSpace:
+    """The slot search space of the search around ``plan``: its constants (key basis, rotations,
+    formats, error-feedback metric) and every quantizer-level choice fixed to ``plan``'s, unless
+    ``choices`` (``SearchSpace`` keywords, e.g. ``recent_lengths=(0, 8)``) say otherwise."""
     q = plan.quantizer
-    return SearchSpace(plan.geometry, plan.modalities, "slot", key_basis=plan.key_basis, rotation=q.rotation,
-                       rope_inv_freq=plan.rope_inv_freq, key_scaling=q.key_scaling, value_scaling=q.value_scaling,
-                       codebooks=tuple(sorted({k for k, _, _ in q.codebooks})), residual_bits=q.residual_bits,
-                       sink_bits=q.sink_bits, recent_lengths=(q.recent_length,), sink_lengths=(q.sink_length,),
-                       group_sizes=(q.group_size,), residual_lengths=(q.residual_length,),
-                       feedback_metric=plan.feedback_metric)
+    fixed = dict(key_basis=plan.key_basis, rotation=q.rotation, rope_inv_freq=plan.rope_inv_freq,
+                 key_scaling=q.key_scaling, value_scaling=q.value_scaling,
+                 codebooks=tuple(sorted({k for k, _, _ in q.codebooks})), residual_bits=q.residual_bits,
+                 sink_bits=q.sink_bits, recent_lengths=(q.recent_length,), sink_lengths=(q.sink_length,),
+                 group_sizes=(q.group_size,), residual_lengths=(q.residual_length,),
+                 feedback_metric=plan.feedback_metric)
+    return SearchSpace(plan.geometry, plan.modalities, "slot", **{**fixed, **choices})
 
 
 def one_bit_optimum(costs: np.ndarray, damage: np.ndarray, bit_cost: np.ndarray, k: float, slack: float) -> float:

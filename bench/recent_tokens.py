@@ -31,9 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.allocation_ceiling import plan_space  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
-from kvplan.search import BpvModel, SearchSpace  # noqa: E402
+from kvplan.search import BpvModel  # noqa: E402
 from kvplan.search.budget import group_damage, repair  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
 from kvplan.search.sensitivity import correction_factor, slot_sensitivity  # noqa: E402
@@ -47,13 +48,7 @@ def paid_plan(plan: Plan, profile: dict, recent: int) -> tuple[Plan | None, int]
     from the search's ``profile``) until it fits its budget again; returns the plan and the number of
     slots lowered; ``(None, 0)`` when the copies alone do not fit the budget with the plan's other
     settings (its sink tokens at full precision, all slots at the lowest level)."""
-    space = SearchSpace(plan.geometry, plan.modalities, "slot", key_basis=plan.key_basis,
-                        rotation=plan.quantizer.rotation, rope_inv_freq=plan.rope_inv_freq,
-                        key_scaling=plan.quantizer.key_scaling, value_scaling=plan.quantizer.value_scaling,
-                        codebooks=tuple(sorted({k for k, _, _ in plan.quantizer.codebooks})), residual_bits=8,
-                        sink_bits=plan.quantizer.sink_bits,
-                        recent_lengths=(0, recent), sink_lengths=(plan.quantizer.sink_length,),
-                        group_sizes=(plan.quantizer.group_size,), residual_lengths=(plan.quantizer.residual_length,))
+    space = plan_space(plan, residual_bits=8, recent_lengths=(0, recent))
     model = BpvModel(space, plan.reference)
     damage = group_damage(space, slot_sensitivity(space, profile), correction_factor(profile))
     levels = space.levels_of_table(plan.code_table())
