@@ -18,8 +18,8 @@ build here (as the decode attention, :func:`kvplan.kernels.native_unavailable`),
 kernel (:func:`kvplan.kernels.triton_kernels.feedback_codes`: one program per block of tokens of a
 head, the loop in registers; checked under Triton's interpreter, not yet compiled on a GPU). Both give
 the same codes bit for bit as the loop in PyTorch
-(:func:`_torch_codes`: D steps of tensor ops per block), which runs where neither is available and is
-their test oracle. Cost: ``bench/results/feedback_cost.md``.
+(:func:`torch_feedback_codes`, the loop in :func:`_torch_codes`: D steps of tensor ops per block), which
+runs where neither is available and is their test oracle. Cost: ``bench/results/feedback_cost.md``.
 """
 
 from __future__ import annotations
