@@ -26,7 +26,9 @@ Second table: the copies **paid with slot bits** (3 or 5 window copies per KV he
 position index): the searched plan lowered by the search's own repair (least predicted damage per bpv
 first) and the best HeadGuard-style baseline of ``bench/codec_baselines.py`` rebuilt, each at 2.5 bpv
 minus the copies' cost; ``uniform``: the same count in every KV head, ``layer``: each layer's copies go
-to the tokens holding the largest share of their own head's window mass (concentrated heads get more).
+to the tokens holding the largest share of their own head's window mass (concentrated heads get more),
+``group``: the same number in every aligned group of the plan's group size (one per group of 128 for 4
+copies at 512 tokens: what a per-group format, decided when each group commits, could hold).
 
 Third table: how concentrated the oracle mass is per (layer, KV head), i.e. how much a per-slot count
 could differ from a uniform one.
@@ -61,7 +63,7 @@ WINDOW = 32
 ROWS = [("kv", 0.01, "newest"), ("kv", 0.01, "window"), ("kv", 0.01, "oracle"),
         ("kv", 0.03, "newest"), ("kv", 0.03, "window"), ("kv", 0.03, "oracle"),
         ("k", 0.03, "oracle"), ("v", 0.03, "oracle"), ("v", 0.03, "oracle-a2")]
-MODE = {"kinds": "", "share": 0.0, "select": "", "alloc": "uniform"}
+MODE = {"kinds": "", "share": 0.0, "select": "", "alloc": "uniform", "group": 128}
 CURRENT: dict = {"sample": None, "layer": None}
 MASS: dict = {}  # history ids -> {selection: [L, H_kv, T] fp32}
 _orig = {"encode": storage.PackedBlock.encode.__func__, "decode": storage.PackedBlock.decode,
@@ -99,7 +101,8 @@ def attention_masses(model, prepared, recent: int) -> dict[str, torch.Tensor]:
 def _mask(n_tokens: int) -> torch.Tensor | None:
     """bool ``[H_kv, T]``: this sample's protected history tokens in the current layer: ``k`` per KV
     head (``alloc`` "uniform"), or ``k * H_kv`` for the layer, to the tokens holding the largest share
-    of their own head's mass ("layer": heads whose attention is concentrated get more)."""
+    of their own head's mass ("layer": heads whose attention is concentrated get more), or the same
+    number in every aligned token group of each head ("group": ``k * G / T`` per group of ``G``)."""
     k = int(round(MODE["share"] * n_tokens))
     if k == 0 or CURRENT["sample"] is None:
         return None
@@ -107,6 +110,14 @@ def _mask(n_tokens: int) -> torch.Tensor | None:
     mask = torch.zeros_like(score, dtype=torch.bool)
     if MODE["alloc"] == "uniform":
         return mask.scatter_(-1, score.topk(k, dim=-1).indices, True)
+    if MODE["alloc"] == "group":
+        G = MODE["group"]
+        per_group = k * G // n_tokens
+        for g0 in range(0, n_tokens, G):
+            part = score[:, g0:g0 + G]
+            top = torch.zeros_like(part, dtype=torch.bool).scatter_(-1, part.topk(per_group, dim=-1).indices, True)
+            mask[:, g0:g0 + G] = top & (part >= 0)  # never the sink or the recent copies
+        return mask
     share = score.clamp_min(0) / score.clamp_min(0).sum(-1, keepdim=True)
     share = torch.where(score < 0, -1.0, share)  # never the sink or the recent copies
     return mask.flatten().scatter_(0, share.flatten().topk(k * score.shape[0]).indices, True).view_as(mask)
@@ -172,9 +183,13 @@ def concentration(masses: list[dict[str, torch.Tensor]], share: float) -> tuple[
     return float(v.min()), float(v.median()), float(v.max())
 
 
-def paid_rows(searched: Plan, path: str, counts=(3, 5)):
+PAID = ((3, ("uniform", "layer")), (4, ("uniform", "group")), (5, ("uniform", "layer")))
+
+
+def paid_rows(searched: Plan, path: str, counts=PAID):
     """``(label, plan, copies per head, allocation)``: the searched plan and the best HeadGuard-style
-    baseline at 2.5 bpv, and each lowered to pay for ``counts`` window copies per head."""
+    baseline at 2.5 bpv, and each lowered to pay for ``counts`` window copies per head (each count
+    with its allocations)."""
     with open(os.path.splitext(path)[0] + ".search.json") as f:
         profile = json.load(f)["profile"]
     budget = searched.target_bpv
@@ -188,11 +203,11 @@ def paid_rows(searched: Plan, path: str, counts=(3, 5)):
 
     rows = [("searched", searched, 0, "uniform"), ("HeadGuard-style (3-bit key heads)", headguard(budget), 0,
                                                    "uniform")]
-    for n in counts:
+    for n, allocs in counts:
         b = budget - n * per_copy
         levels, q, _ = repair(model, space.levels_of_table(searched.code_table()), searched.quantizer, b, damage)
         lowered = space.plan_of_table(space.table_of_levels(levels), q, searched.reference)
-        for alloc in ("uniform", "layer"):
+        for alloc in allocs:
             rows.append((f"searched, repaired to {b:.3f}", lowered, n, alloc))
             rows.append((f"HeadGuard-style at {b:.3f}", headguard(b), n, alloc))
     return rows
@@ -243,11 +258,12 @@ def main() -> None:
               "copies' cost; the HeadGuard-style baseline rebuilt at that budget by `bench/codec_baselines.py`):", "",
               "| plan | copies (kv, window) | allocation | slot bpv + copies | validation KL [95% CI] |",
               "|---|---:|---|---:|---|"]
-    for label, plan, n, alloc in paid_rows(plan, args.plan):
+    MODE["group"] = plan.quantizer.group_size
+    for label, row_plan, n, alloc in paid_rows(plan, args.plan):
         MODE.update(kinds="kv" if n else "-", share=n / T, select="window", alloc=alloc)
-        m = val(plan)
-        cost = plan.bpv().residual * n / plan.quantizer.recent_length if n else 0.0
-        lines.append(f"| {label} | {n} per head | {alloc if n else '-'} | {plan.bpv().total:.4f} + {cost:.3f} | "
+        m = val(row_plan)
+        cost = row_plan.bpv().residual * n / row_plan.quantizer.recent_length if n else 0.0
+        lines.append(f"| {label} | {n} per head | {alloc if n else '-'} | {row_plan.bpv().total:.4f} + {cost:.3f} | "
                      f"{m['kl']:.4f} [{m['kl_ci95_lo']:.4f}, {m['kl_ci95_hi']:.4f}] |")
         print(lines[-1], flush=True)
     lines += ["", "How concentrated the oracle attention mass is, per (layer, KV head), averaged over samples:", "",
