@@ -12,8 +12,8 @@ from ._fields import BitRule, Provenance, QuantizerSettings, Reference
 from ._files import atomic_write_text
 from ._keybasis import FeedbackMetric, KeyBasis
 from ._plan import Plan
-from .accounting import (BpvBreakdown, committed_length, label_runs, layout_labels, plan_bpv, plan_bytes,
-                         recent_tokens, stored_runs)
+from .accounting import (BpvBreakdown, committed_length, heavy_tokens, label_runs, layout_labels, plan_bpv,
+                         plan_bytes, recent_tokens, stored_runs)
 from .baselines import BASELINES, KVTUNER_PAIRS, baseline_plan, headguard_plan, layerwise_plan, uniform_plan
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "layout_labels",
     "plan_bpv",
     "plan_bytes",
+    "heavy_tokens",
     "recent_tokens",
     "split_codes",
     "stored_runs",

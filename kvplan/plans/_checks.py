@@ -11,8 +11,9 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import PlanError, describe
 
-SCHEMA_VERSION = 6  # 2: slot formats (quantizer.key_scaling / value_scaling / codebooks); 3: quantizer.residual_bits;
-#                      4: quantizer.recent_length; 5: quantizer.sink_bits; 6: feedback_metric; 1 to 5 are read too
+SCHEMA_VERSION = 7  # 2: slot formats (quantizer.key_scaling / value_scaling / codebooks); 3: quantizer.residual_bits;
+#                      4: quantizer.recent_length; 5: quantizer.sink_bits; 6: feedback_metric;
+#                      7: quantizer.heavy_length; 1 to 6 are read too
 KINDS = ("k", "v")
 DEFAULT_MODALITY = "text"
 # format code of a key slot stored at ``b`` bits with the key correction: ``b + CORRECTED``

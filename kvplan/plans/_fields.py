@@ -57,6 +57,12 @@ class QuantizerSettings:
     # the slots' rotated frame (``rotation``, ``key_pre_rope``): a sink token costs a quarter of an
     # fp32 one and reads back within 8-bit rounding
     sink_bits: int = FULL_PRECISION_BITS
+    # schema version 7: heavy hitters. Each KV head of a full-attention layer also keeps copies, at
+    # the residual's precision, of the ``heavy_length`` committed tokens (never a sink position) that
+    # a prompt's last queries attend to most (kvplan.runtime.heavy); every read uses a copy instead
+    # of the token's slot codes. Counted as residual bytes, with each copy's position and score
+    # (plans.accounting.heavy_tokens)
+    heavy_length: int = 0
 
     def __post_init__(self):
         check_choice(self.group_size, "quantizer.group_size", GROUP_SIZES)
@@ -75,6 +81,7 @@ class QuantizerSettings:
         check_choice(self.residual_bits, "quantizer.residual_bits", RESIDUAL_BITS)
         check_int(self.recent_length, "quantizer.recent_length", 0, MAX_TOKENS)
         check_choice(self.sink_bits, "quantizer.sink_bits", SINK_BITS)
+        check_int(self.heavy_length, "quantizer.heavy_length", 0, MAX_TOKENS)
         object.__setattr__(self, "codebooks", _codebooks(self.codebooks, self))
         if self.key_correction_rank and self.key_axis != "channel":
             raise PlanError("quantizer.key_correction_rank", "needs key_axis 'channel' (the correction code shares "

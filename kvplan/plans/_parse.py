@@ -33,6 +33,8 @@ _QUANTIZER_V3 = ["residual_bits"]
 _QUANTIZER_V4 = ["recent_length"]
 # ... and schema version 5 (attention-sink positions held as codes)
 _QUANTIZER_V5 = ["sink_bits"]
+# ... and schema version 7 (copies of the most-attended committed tokens)
+_QUANTIZER_V7 = ["heavy_length"]
 _BPV = ["total", "payload", "scales_zeros", "residual", "correction"]
 
 
@@ -48,8 +50,10 @@ def plan_fields(d) -> dict:
     modalities = check_list(d.get("modalities", [DEFAULT_MODALITY]), "modalities", "names")
     labelling = check_str(d["labelling"], "labelling") if "labelling" in d else TOKEN_IDS_NAME
     q = d.get("quantizer", {})
-    check_keys(q, "quantizer", [], _QUANTIZER + _QUANTIZER_V2 + _QUANTIZER_V3 + _QUANTIZER_V4 + _QUANTIZER_V5)
-    for needs, keys in ((2, _QUANTIZER_V2), (3, _QUANTIZER_V3), (4, _QUANTIZER_V4), (5, _QUANTIZER_V5)):
+    check_keys(q, "quantizer", [], _QUANTIZER + _QUANTIZER_V2 + _QUANTIZER_V3 + _QUANTIZER_V4 + _QUANTIZER_V5
+               + _QUANTIZER_V7)
+    for needs, keys in ((2, _QUANTIZER_V2), (3, _QUANTIZER_V3), (4, _QUANTIZER_V4), (5, _QUANTIZER_V5),
+                        (7, _QUANTIZER_V7)):
         for k in keys:
             if k in q and version < needs:
                 raise PlanError(f"quantizer.{k}", f"needs schema_version {needs} (the file says {version})",
@@ -101,9 +105,10 @@ def _schema_version(ver) -> int:
     zero-points, uniform codes), 2 (adds ``quantizer.key_scaling`` / ``value_scaling`` / ``codebooks``)
     3 (adds ``quantizer.residual_bits``; older files hold their residual at full precision), 4 (adds
     ``quantizer.recent_length``; older files keep no copies of committed tokens), 5 (adds
-    ``quantizer.sink_bits``; older files hold their sink positions as written) or 6 (adds
-    ``feedback_metric``; older files' codes are rounded to the nearest level). Writers
-    always write the newest version."""
+    ``quantizer.sink_bits``; older files hold their sink positions as written), 6 (adds
+    ``feedback_metric``; older files' codes are rounded to the nearest level) or 7 (adds
+    ``quantizer.heavy_length``; older files keep no copies of heavy hitters). Writers always write
+    the newest version."""
     if not is_int(ver):
         raise PlanError("schema_version", "must be an integer", ver)
     if ver > SCHEMA_VERSION:

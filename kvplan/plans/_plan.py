@@ -194,6 +194,7 @@ class Plan:
                 **({"recent_length": self.quantizer.recent_length} if self.quantizer.recent_length else {}),
                 **({"sink_bits": self.quantizer.sink_bits}
                    if self.quantizer.sink_bits != FULL_PRECISION_BITS else {}),
+                **({"heavy_length": self.quantizer.heavy_length} if self.quantizer.heavy_length else {}),
             },
             "bits": {"default": default, "rules": rules},
             "budget": {

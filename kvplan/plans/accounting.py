@@ -15,6 +15,10 @@ The residual (``T - C`` newest tokens) is held as written (``fp_bytes`` per valu
 ``quantizer.residual_bits`` 8 or 4, as per-token v1 codes: ``QuantizerSettings.residual_token_bytes``.
 With ``quantizer.recent_length`` ``W``, the newest committed tokens also keep such a copy
 (:func:`recent_tokens`: at most ``W``, never a sink position or a freed one), counted as residual.
+With ``quantizer.heavy_length`` ``n``, each KV head of a full-attention layer keeps such copies of
+up to ``n`` committed non-sink tokens (:func:`heavy_tokens`; the ones attended most, see
+:mod:`kvplan.runtime.heavy`), counted as residual together with each copy's position and score
+(:data:`HEAVY_META_BYTES`).
 
 Attention sinks: the first ``S = quantizer.sink_length`` positions of the sequence are
 stored in every slot alike when they are committed (:func:`stored_runs` splits a run at ``S``):
@@ -60,6 +64,20 @@ def sliding_kept_start(total: int, window: int | None, group_size: int) -> int:
     if window is None or total - (window - 1) <= 0:
         return 0
     return group_size * ((total - (window - 1)) // group_size)
+
+
+# per heavy-hitter copy and KV head, besides its K and V codes: its position (int32) and the
+# attention score it was chosen by (fp32), shared by K and V
+HEAVY_META_BYTES = 8
+
+
+def heavy_tokens(committed: int, heavy_length: int, sink_length: int, sliding: bool = False) -> int:
+    """Committed tokens each KV head keeps a heavy-hitter copy of (``quantizer.heavy_length``): up
+    to ``heavy_length`` of its committed tokens that are not sink positions; none in a
+    sliding-window layer (the tokens it frees would take their copies with them)."""
+    if sliding:
+        return 0
+    return max(0, min(heavy_length, committed - min(sink_length, committed)))
 
 
 def recent_tokens(committed: int, recent_length: int, sink_length: int, kept_start: int = 0) -> int:
@@ -167,7 +185,8 @@ class BpvBreakdown:
     payload: float  # packed codes and 16-bit slots
     scales_zeros: float
     residual: float  # newest tokens not committed yet (full precision, or quantizer.residual_bits), and
-    #                  the copies of the newest committed ones (quantizer.recent_length)
+    #                  the copies of the newest committed ones (quantizer.recent_length) and of the
+    #                  heavy hitters (quantizer.heavy_length, with their positions and scores)
     correction: float = 0.0  # key correction codes with their scales and zero-points
 
     def as_dict(self) -> dict[str, float]:
@@ -205,7 +224,7 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
     unknown = sorted({lab for lab, _, _ in committed} - set(plan.modalities))
     if unknown:
         raise ValueError(f"labels {unknown} are not modalities of the plan {list(plan.modalities)}")
-    payload = scales = correction = residual_tokens = 0
+    payload = scales = correction = residual_tokens = heavy_copies = 0
     all_runs = _split_at_sink(committed, 0, q.sink_length)
     run_cost: dict[tuple, tuple[int, int]] = {}  # (kind, bits, start, length) -> bytes: slots share formats
     for layer in range(geometry.num_layers):
@@ -213,6 +232,7 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
         kept = sliding_kept_start(T, geometry.window(layer), q.group_size)
         runs = _clip_runs(all_runs, kept) if kept else all_runs
         residual_tokens += T - max(C, kept) + recent_tokens(C, q.recent_length, q.sink_length, kept)
+        heavy_copies += heavy_tokens(C, q.heavy_length, q.sink_length, geometry.window(layer) is not None)
         for head in range(geometry.num_kv_heads):
             for k, kind in enumerate(("k", "v")):
                 for lab, start, length, sink in runs:
@@ -226,7 +246,9 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
                     scales += s
                     if not sink and corrected[layer, head, k, plan.modalities.index(lab)]:
                         correction += correction_bytes(q, start, length)
-    residual = residual_tokens * q.residual_token_bytes(geometry.head_dim, fp_bytes) * geometry.num_kv_heads * 2
+    token_bytes = q.residual_token_bytes(geometry.head_dim, fp_bytes)
+    residual = ((residual_tokens + heavy_copies) * token_bytes * 2 + heavy_copies * HEAVY_META_BYTES
+                ) * geometry.num_kv_heads
     return {"payload": payload * batch_size, "scales_zeros": scales * batch_size,
             "correction": correction * batch_size, "residual": residual * batch_size}
 

@@ -288,3 +288,16 @@ def test_a_metric_that_is_not_positive_definite_is_refused_naming_its_slot():
     with pytest.raises(PlanError, match=r"feedback_metric\[1\]\[1\]\[0\]: must be positive definite \(layer 1, v, "
                                         r"KV head 0\)"):
         uniform_plan(GEOM, 2, 2).replace(feedback_metric=m)
+
+
+def test_heavy_length_round_trips_and_a_version_6_file_with_it_is_refused(tmp_path):
+    base = uniform_plan(GEOM, 2, 2, group_size=32, residual_length=0, sink_length=1)
+    plan = base.replace(quantizer=dataclasses.replace(base.quantizer, residual_bits=8, heavy_length=4))
+    path = tmp_path / "p.yaml"
+    plan.to_yaml(path)
+    doc = yaml.safe_load(path.read_text())
+    assert doc["schema_version"] == SCHEMA_VERSION == 7 and doc["quantizer"]["heavy_length"] == 4
+    back = Plan.from_yaml(path)
+    assert back.quantizer == plan.quantizer and back.bpv() == plan.bpv() and back.bpv().residual > base.bpv().residual
+    assert "heavy_length" not in base.to_dict()["quantizer"]  # 0: the default, not written
+    _assert_new_key_refused(doc, path, "heavy_length", 7, -1, r"quantizer\.heavy_length")
