@@ -44,6 +44,7 @@ from ..errors import KVPlanError
 from ..models.modality import TOKEN_IDS, Labelling, resolve_labelling
 from ..plans import KINDS, Plan, plan_bytes
 from ..runtime.cache import KVPlanCache
+from ..runtime.heavy import recording_window_queries
 from ..runtime.load import attention_route, check_modalities, make_cache, resolve_plan
 from .prefix import PrefixReplay, decoder_layers, first_quantized_layer, settings_key
 
@@ -103,6 +104,9 @@ class PreparedSample:
     labelling: Labelling = TOKEN_IDS  # how its history is labelled (checked), also in every plan cache
     # this process's recorded full-precision layer outputs (evaluate(..., reuse_prefix=True))
     replay: PrefixReplay | None = field(default=None, repr=False, compare=False)
+    # per layer, the prefill's last queries [1, Hq, w, D] and attention scaling (what kvplan's
+    # attention function sees at a deployed prompt: they choose heavy-hitter copies)
+    window_queries: dict[int, tuple[torch.Tensor, float]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def history_len(self) -> int:
@@ -259,7 +263,9 @@ def prepare_sample(model, sample: Sample, pad_id: int = 0, attention: str = "aut
     rope = _rope_owner(model)
     if rope is not None:
         rope.rope_deltas = None
-    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1, **inputs)
+    window_queries: dict = {}
+    with recording_window_queries(model, window_queries):
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1, **inputs)
     T = ids.shape[1]
     kv = []
     for i in range(_num_layers(model)):
@@ -273,7 +279,8 @@ def prepare_sample(model, sample: Sample, pad_id: int = 0, attention: str = "aut
     deltas = getattr(rope, "rope_deltas", None) if rope is not None else None
     if deltas is not None:  # mrope: text tokens after the history share one position on all 3 axes
         pos = (pos + deltas.reshape(-1)[0].to("cpu").long())[None].expand(3, R, L)
-    prepared = PreparedSample(sample, kv, rows, lengths, pos.contiguous(), {}, labelling)
+    prepared = PreparedSample(sample, kv, rows, lengths, pos.contiguous(), {}, labelling,
+                              window_queries=window_queries)
     with attention_route(model, attention):
         sc = _score_rows(model, _fp_cache(model, prepared), rows, prepared.position_ids, sample)
     fp = {"scored": sc, "nll": _nll(sc["eval"], sample.eval_ids), "top1_ids": sc["eval"].argmax(-1)}
@@ -328,7 +335,16 @@ def build_plan_cache(model, plan: Plan, prepared: PreparedSample) -> KVPlanCache
     :func:`kvplan.make_cache` (the deployment's code) and quantized by the runtime."""
     cache = make_cache(model, plan, torch.tensor([prepared.sample.history_ids]), labelling=prepared.labelling)
     for i, (k, v) in enumerate(prepared.kv):
-        cache.layers[i].update(k, v)
+        layer = cache.layers[i]
+        layer.update(k, v)
+        if getattr(layer, "heavy", None) is not None and layer.heavy.pending:
+            # what kvplan's attention function does at a deployed prompt: its last queries (recorded
+            # by the full-precision prefill) score the committed tokens for the heavy-hitter copies
+            if prepared.window_queries is None or i not in prepared.window_queries:
+                raise ProtocolError(f"layer {i}: the sample's prefill recorded no queries to choose the plan's "
+                                    "heavy-hitter copies (quantizer.heavy_length) with")
+            query, scaling = prepared.window_queries[i]
+            layer.observe_prompt(query, k, scaling)
     return cache
 
 
@@ -345,6 +361,9 @@ def full_precision_bytes(cache: KVPlanCache) -> int:
             for held in (getattr(layer, "residual", {}).get(kind), getattr(layer, "recent", {}).get(kind)):
                 if held is not None:  # the residual and the recent copies (quantizer.recent_length)
                     n += held.fresh.nbytes
+            heavy = getattr(layer, "heavy", None)
+            if heavy is not None and torch.is_tensor(heavy.copies[kind]):  # heavy-hitter copies as written
+                n += heavy.copies[kind].nbytes
     return n
 
 

@@ -117,8 +117,9 @@ def curve_lengths(plan: Plan, extra: Sequence[int] = (), max_len: int = CURVE_MA
 def _plain_quantizer(q) -> str:
     rb = "" if q.residual_bits == 16 else f", residual {q.residual_bits}-bit"
     rc = f", {q.recent_length} recent copies" if q.recent_length else ""
+    hc = f", {q.heavy_length} heavy-hitter copies" if q.heavy_length else ""
     sb = f" ({q.sink_bits}-bit)" if q.sink_length and q.sink_bits != 16 else ""
-    return f"g{q.group_size}, r{q.residual_length}, s{q.sink_length}{sb}{rb}{rc}"
+    return f"g{q.group_size}, r{q.residual_length}, s{q.sink_length}{sb}{rb}{rc}{hc}"
 
 
 def bpv_curve(plan: Plan, extra: Sequence[int] = ()) -> dict[str, Any]:

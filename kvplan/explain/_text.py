@@ -72,6 +72,10 @@ def _header(rep: dict, L: list[str]) -> None:
         L.append(f"recent copies: the {q['recent_length']} newest committed tokens also keep their residual form "
                  f"({'full precision' if rb == 16 else f'{rb}-bit per-token codes'}), read instead of their slot codes "
                  "until newer tokens commit (counted as residual bytes)")
+    if q.get("heavy_length"):
+        L.append(f"heavy-hitter copies: each KV head of a full-attention layer also keeps its {q['heavy_length']} "
+                 "committed tokens a prompt's last queries attend to most in their residual form, read instead of "
+                 "their slot codes (counted as residual bytes, with their positions and scores)")
     if rep.get("error_feedback"):
         L.append("error feedback: slot codes are chosen coordinate by coordinate, each rounding error pushed onto "
                  "the coordinates not yet coded under the plan's per-head metrics (queries for keys, the output "

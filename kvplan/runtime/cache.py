@@ -15,6 +15,10 @@ Recent copies (``quantizer.recent_length`` ``W``): when tokens commit, the newes
 ones keep their residual form (moved, not coded again) in ``KVPlanLayer.recent``, and every read
 uses it instead of their slot codes until newer tokens commit (``plans.accounting.recent_tokens``).
 
+Heavy-hitter copies (``quantizer.heavy_length``, full-attention layers): copies of each KV head's
+most-attended committed tokens, chosen by a prompt's last queries (:mod:`kvplan.runtime.heavy`);
+reads of a quantized slot use them instead of the slot codes.
+
 Sliding-window layers (Gemma 3, Mistral, ...) free the whole token groups that fell out of
 their window (see :class:`KVPlanLayer`), so their bytes follow what the model can still attend
 to; the attention mask gets the kept range from ``get_mask_sizes``.
@@ -30,12 +34,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import CacheError, PlanError
 from ..models.geometry import Geometry
+from ..kernels import FULL_PRECISION_BITS
 from ..kernels.feedback import feedback_factors
 from ..kernels.rotation import Rotation, hadamard_matrix
 from ..plans import KINDS, Plan, committed_length, split_codes, stored_runs
 from ..plans._fields import SINK_AXIS
 from ..plans.accounting import recent_tokens, sliding_kept_start
-from .fused import MAX_FUSED_QUERY, mark_pending
+from .fused import MAX_FUSED_QUERY, mark_observed, mark_pending
+from .heavy import HeavyCopies, window_mass
 from .storage import PackedBlock, Residual, Segment
 
 TEXT = "text"
@@ -106,6 +112,8 @@ class KVPlanLayer(CacheLayerMixin):
         self.residual: dict[str, Residual | None] = {"k": None, "v": None}  # [B, H_kv, T_res, D] each
         # copies of the newest committed tokens [committed - n_recent, committed) (quantizer.recent_length)
         self.recent: dict[str, Residual | None] = {"k": None, "v": None}
+        # copies of the most-attended committed tokens (quantizer.heavy_length; full layers only)
+        self.heavy: HeavyCopies | None = None
         self.residual_labels: list[str] = []
         self.committed = 0
         self.key_basis: torch.Tensor | None = None  # [H_kv, D, r] fp32 when the plan corrects keys
@@ -130,6 +138,8 @@ class KVPlanLayer(CacheLayerMixin):
                          for kind, x in (("k", key_states), ("v", value_states))}
         self.recent = {kind: Residual(q.residual_bits, q.group_size, x[:, :, :0].to(self.dtype))
                        for kind, x in (("k", key_states), ("v", value_states))}
+        if q.heavy_length and self.window is None:
+            self.heavy = HeavyCopies(q.heavy_length, q.residual_bits, q.group_size)
         basis = self.owner.plan.key_basis
         # key correction basis of this layer: fp32 [H_kv, D, r] on the cache's device
         self.key_basis = (None if basis is None else
@@ -144,6 +154,8 @@ class KVPlanLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t_new = key_states.shape[-2]
+        if self.heavy is not None:
+            self.heavy.resolve()  # tokens committed since the last scoring attention call: unscored
         # NaN / Inf check: one reduction of both kinds (any NaN/Inf makes the sum non-finite; only
         # then, or on an overflowing sum, the element-wise check that locates it runs). On CPU it
         # is read at once. On CUDA reading it would synchronise the host every layer and step, so
@@ -173,7 +185,46 @@ class KVPlanLayer(CacheLayerMixin):
         keys = self._read("k", first)
         values = self._read("v", first)
         self._commit()
+        if self.heavy is not None and self.heavy.pending:
+            mark_observed(keys, self)  # the attention call scores the committed tokens (observe_prompt)
         return keys, values
+
+    def observe_prompt(self, query: torch.Tensor, keys: torch.Tensor, scaling: float,
+                       attention_mask: torch.Tensor | None = None) -> None:
+        """Score the tokens this forward committed by the attention its last queries ``query [B, Hq,
+        Tq, D]`` give ``keys [B, H_kv, T_k, D]`` (what ``update`` returned: positions from the
+        layer's first kept one) and keep the heavy-hitter copies (:mod:`kvplan.runtime.heavy`).
+        Called by kvplan's attention function; the search's harness calls it with the queries its
+        full-precision prefill recorded. A no-op without waiting tokens."""
+        if self.heavy is None or not self.heavy.pending:
+            return
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        self.heavy.resolve(window_mass(query, keys, scaling, attention_mask), first=self._visible_start(
+            self.get_seq_length()))
+
+    def heavy_reads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(positions [B, H_kv, m] int64, used [B, H_kv, m] bool)`` of the heavy-hitter copies and
+        which of them replace the token's reads: those whose K and V slots at that token are both
+        quantized (a 16-bit slot reads its exact token; both kinds are swapped together, so every
+        attention route reads the same). ``None`` without copies."""
+        h = self.heavy
+        if h is None or not h.length:
+            return None
+        pos = h.positions.long()
+        if h.slots_quantized is None:  # [H_kv, M]: both kinds' slots below 16 bits
+            table = torch.from_numpy(self.owner.code_table[self.layer_idx] != FULL_PRECISION_BITS)  # [H_kv, 2, M]
+            h.slots_quantized = table.all(dim=1).to(pos.device)
+        both = h.slots_quantized
+        mods = self.owner.plan.modalities
+        if len(mods) == 1:
+            return pos, both[:, 0][None, :, None].expand_as(pos)
+        segs = self.segments["k"]
+        starts = torch.tensor([s.start for s in segs], device=pos.device)
+        seg_mod = torch.tensor([mods.index(s.modality) for s in segs], device=pos.device)
+        mod_at = seg_mod[torch.searchsorted(starts, pos, right=True) - 1]  # [B, H_kv, m]
+        heads = torch.arange(pos.shape[1], device=pos.device)[None, :, None].expand_as(pos)
+        return pos, both[heads, mod_at]
 
     def _raise_nonfinite(self, keys: torch.Tensor, values: torch.Tensor, where: str) -> None:
         """Raise CacheError naming the first non-finite value of ``keys`` / ``values [B, H_kv, T, D]``
@@ -218,6 +269,7 @@ class KVPlanLayer(CacheLayerMixin):
         self._stored_changed()
         self.residual = {"k": None, "v": None}
         self.recent = {"k": None, "v": None}
+        self.heavy = None
         self.residual_labels = []
         self.committed = 0
         self.dropped = 0
@@ -248,6 +300,8 @@ class KVPlanLayer(CacheLayerMixin):
             for seg in self.segments[kind]:
                 for block in seg.blocks:
                     block.map_tensors(fn)
+        if self.heavy is not None:
+            self.heavy.map_tensors(fn)
         self._stored_changed()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -292,6 +346,11 @@ class KVPlanLayer(CacheLayerMixin):
         n_rec = self.recent[kind].length
         if n_rec:  # the newest committed tokens read from their copies
             out[:, :, self.committed - base - n_rec : self.committed - base].copy_(self.recent[kind].read())
+        heavy = self.heavy_reads()
+        if heavy is not None:  # the heavy hitters of quantized slots read from their copies
+            pos, used = heavy
+            idx = (pos - base)[..., None].expand(*pos.shape, out.shape[-1])
+            out.scatter_(2, idx, torch.where(used[..., None], self.heavy.read(kind, out.dtype), out.gather(2, idx)))
         out[:, :, self.committed - base :].copy_(res)
         return out if first == base else out[:, :, first - base :].contiguous()
 
@@ -399,6 +458,10 @@ class KVPlanLayer(CacheLayerMixin):
         if range_flag is not None and bool(range_flag.item()):  # host sync (CUDA, once per commit; see above)
             raise ValueError("KV values exceed the fp16 range of the stored scales/zero-points; cannot quantize "
                              f"layer {self.layer_idx}, tokens {self.committed} .. {target - 1}")
+        first_candidate = max(self.committed, q.sink_length)  # sink positions are stored apart
+        if self.heavy is not None and first_candidate < target:
+            self.heavy.add_candidates(first_candidate, {kind: self.residual[kind].parts(
+                first_candidate - self.committed, n) for kind in KINDS})
         for kind in KINDS:
             for label, start, length, blocks in new[kind]:
                 segs = self.segments[kind]
@@ -462,6 +525,8 @@ class KVPlanLayer(CacheLayerMixin):
                 for block in seg.blocks:
                     for k, v in block.nbytes_parts().items():
                         parts[k] += v
+        if self.heavy is not None:
+            parts["residual"] += self.heavy.nbytes
         return parts
 
     def stored_token_bits(self) -> Counter:

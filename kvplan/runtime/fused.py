@@ -13,6 +13,11 @@ CUDA, :func:`kvplan.kernels.attention_native.native_decode_attention` on the CPU
 packed segments plus the residual, without materializing the whole dequantized cache.
 Tokens that are due for commit are committed right after the attention call, so each
 token's first use is at full precision exactly as on the dequantizing path.
+
+Heavy-hitter copies (``quantizer.heavy_length``, :mod:`kvplan.runtime.heavy`): a prompt's forward
+(the SDPA branch) scores the tokens it committed through :meth:`KVPlanLayer.observe_prompt`; a
+decode step reads the copies as extra dense tokens after the residual, with their packed positions
+masked out (:func:`_with_heavy_copies`), which the kernels take as they take any mask.
 """
 
 from __future__ import annotations
@@ -28,8 +33,51 @@ MAX_FUSED_QUERY = 16
 _PENDING: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 
 
+# layers whose forward committed tokens that its attention call scores (heavy-hitter copies)
+_OBSERVED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+
+
 def mark_pending(key_residual: torch.Tensor, layer) -> None:
     _PENDING[id(key_residual)] = layer
+
+
+def mark_observed(keys: torch.Tensor, layer) -> None:
+    _OBSERVED[id(keys)] = layer
+
+
+def _with_heavy_copies(layer, query, key, value, mask):
+    """The fused kernels' dense tail and mask with the layer's heavy-hitter copies: each used copy
+    (:meth:`KVPlanLayer.heavy_reads`) is appended after the tail ``key`` / ``value [B, H_kv, T_r, D]``
+    and its position in the packed segments is masked out for the query heads of its KV head; a
+    copy of a token in the tail (a recent copy, the same codes) or of a 16-bit slot is masked off
+    instead. ``mask``: ``None``, bool (True = attend) or additive ``[B or 1, 1 or Hq, Tq, T]``."""
+    heavy = layer.heavy_reads()
+    if heavy is None:
+        return key, value, mask
+    pos, used = heavy  # [B, H_kv, m]
+    B, H, m = pos.shape
+    Hq, Tq = query.shape[1], query.shape[2]
+    T = sum(blocks[0].length for blocks in layer.packed_segments("k") if blocks) + key.shape[2]
+    used = used & (pos < layer.committed - layer.recent["k"].length)  # in the packed segments
+    additive = mask is not None and mask.dtype != torch.bool
+    if mask is None:
+        ext = torch.ones(B, Hq, Tq, T + m, dtype=torch.bool, device=key.device)
+    else:
+        pad = torch.zeros if additive else torch.ones
+        ext = torch.cat([mask.expand(B, Hq, Tq, T), pad(B, Hq, Tq, m, dtype=mask.dtype, device=mask.device)], -1)
+    view = ext.view(B, H, Hq // H, Tq, T + m)
+    use = used[:, :, None, None, :].expand(B, H, Hq // H, Tq, m)
+    idx = (pos - layer.dropped)[:, :, None, None, :].expand(B, H, Hq // H, Tq, m)
+    old = view.gather(-1, idx)
+    if additive:
+        view.scatter_(-1, idx, torch.where(use, float("-inf"), old))
+        view[..., T:] = torch.where(use, 0.0, float("-inf"))
+    else:
+        view.scatter_(-1, idx, old & ~use)
+        view[..., T:] = use
+    h = layer.heavy
+    return (torch.cat([key, h.read("k", key.dtype)], dim=2), torch.cat([value, h.read("v", value.dtype)], dim=2),
+            ext)
 
 
 def kvplan_packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -38,15 +86,22 @@ def kvplan_packed_attention(module, query, key, value, attention_mask, scaling=N
 
     layer = _PENDING.pop(id(key), None)
     if layer is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                     **kwargs)
+        observer = _OBSERVED.pop(id(key), None)
+        if observer is not None:  # a prompt: its last queries choose the heavy-hitter copies
+            observer.observe_prompt(query, key, scaling, attention_mask)
+        return out
     key_blocks = layer.packed_segments("k")
     value_blocks = layer.packed_segments("v")
     mask = attention_mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(torch.float32)
+    key, value, mask = _with_heavy_copies(layer, query, key, value, mask)
     out = layer.owner.attention_kernel(query, key_blocks, value_blocks, key, value, mask, scaling)
     layer._commit()
+    if layer.heavy is not None:
+        layer.heavy.resolve()  # tokens committed by a decode step: no prompt scores them
     return out.transpose(1, 2).contiguous(), None
 
 

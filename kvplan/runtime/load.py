@@ -161,7 +161,9 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
                      labelling=labelling)
     kernel = _attention_kernel(model, attention)
     unload(model)
-    _install_attention(model, kernel)
+    # heavy-hitter copies are chosen by a prompt's attention: kvplan's attention function scores them
+    # on every route (on the dequantize route it is SDPA over the dequantized cache)
+    _install_attention(model, kernel, observe=resolved.quantizer.heavy_length > 0)
     original = model.generate
 
     @functools.wraps(original)
@@ -189,10 +191,11 @@ def unload(model):
     return model
 
 
-def _install_attention(model, kernel) -> None:
+def _install_attention(model, kernel, observe: bool = False) -> None:
     """Route the text decoder's attention through kvplan's packed-cache kernel (``None``: keep
-    the model's own attention, the dequantize route)."""
-    if kernel is None:
+    the model's own attention, the dequantize route, unless ``observe``: then kvplan's attention
+    function runs SDPA over the dequantized cache and scores prompts for heavy-hitter copies)."""
+    if kernel is None and not observe:
         return
     from . import fused
 
