@@ -1,0 +1,120 @@
+"""Heavy-hitter copies (``quantizer.heavy_length``) on the recorded plan and the best codec-only baseline,
+paid with slot bits: the built feature, bytes counted, on the deployed route.
+
+    python bench/heavy_copies.py bench/results/search-2.5bpv.yaml
+        # -> bench/results/heavy_copies.md (~10 min)
+
+For each number of copies ``n`` per KV head, the searched plan's slots are lowered by the search's own
+repair (least predicted damage per bpv first, the calibration profile's damage model) until the plan
+**with** ``heavy_length = n`` fits the budget (``plan.bpv()`` counts the copies, their positions and
+scores); ``n`` is chosen on the **validation** split. The test split then reports the searched plan
+and the codec-only baselines of ``bench/codec_baselines.py``, without copies at 2.5 bpv and with the
+chosen copies (the baselines rebuilt at the budget the copies leave). Every plan is scored by the search's
+scorers: ``kvplan.make_cache`` writes the history and the copies are those kvplan's attention
+function keeps at a deployed prompt (the prefill's last 32 queries; ``tests/runtime/test_heavy_copies.py``
+checks that both keep the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.allocation_ceiling import plan_space  # noqa: E402
+from bench.codec_baselines import baseline_plans  # noqa: E402
+from kvplan import Plan  # noqa: E402
+from kvplan.plans import atomic_write_text  # noqa: E402
+from kvplan.search import BpvModel  # noqa: E402
+from kvplan.search.budget import group_damage, repair  # noqa: E402
+from kvplan.search.scorers import task_scorers  # noqa: E402
+from kvplan.search.sensitivity import correction_factor, slot_sensitivity  # noqa: E402
+
+COUNTS = (2, 4, 6, 8)
+
+
+def with_copies(plan: Plan, n: int) -> Plan:
+    return plan.replace(quantizer=dataclasses.replace(plan.quantizer, heavy_length=n))
+
+
+def paid(searched: Plan, profile: dict, n: int) -> tuple[Plan, list[tuple[str, Plan]], float]:
+    """``(searched plan lowered to pay for n copies, the codec-only baselines likewise, slot budget)``,
+    every plan with ``heavy_length = n`` and within ``searched``'s budget."""
+    budget = searched.target_bpv
+    cost = with_copies(searched, n).bpv().total - searched.bpv().total  # the copies' bytes at the reference
+    space = plan_space(searched)
+    model = BpvModel(space, searched.reference)
+    damage = group_damage(space, slot_sensitivity(space, profile), correction_factor(profile))
+    levels, q, _ = repair(model, space.levels_of_table(searched.code_table()), searched.quantizer, budget - cost,
+                          damage)
+    lowered = with_copies(space.plan_of_table(space.table_of_levels(levels), q, searched.reference), n)
+    baselines = [(label, with_copies(p, n)) for label, p in baseline_plans(searched, profile, budget - cost)]
+    for _, p in [("searched", lowered), *baselines]:
+        assert p.bpv().total <= budget + 1e-9, (p.name, p.bpv().total)
+    return lowered, baselines, budget - cost
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plan")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "heavy_copies.md"))
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "1")))
+    t0 = time.time()
+    searched = Plan.from_yaml(args.plan)
+    with open(os.path.splitext(args.plan)[0] + ".search.json") as f:
+        profile = json.load(f)["profile"]
+    scorers = task_scorers(n_calibration=1, n_validation=16, n_test=16, progress=False)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = ["# Heavy-hitter copies paid with slot bits: the searched plan and the best codec-only baseline", "",
+             f"Command: `python bench/heavy_copies.py {args.plan}` at commit {commit} (method in the script's "
+             "docstring).", "", "Choosing the number of copies per KV head (validation split):", "",
+             "| heavy_length | slot bits lowered to | honest bpv | validation KL [95% CI] |", "|---:|---:|---:|---|"]
+
+    def row(m):
+        return f"{m['kl']:.4f} [{m['kl_ci95_lo']:.4f}, {m['kl_ci95_hi']:.4f}]"
+
+    base = scorers.validation(searched)
+    lines.append(f"| 0 (the recorded plan) | - | {searched.bpv().total:.4f} | {row(base)} |")
+    print(lines[-1], flush=True)
+    chosen, best = 0, base["kl"]
+    for n in COUNTS:
+        lowered, _, slot_budget = paid(searched, profile, n)
+        m = scorers.validation(lowered)
+        lines.append(f"| {n} | {slot_budget:.4f} | {lowered.bpv().total:.4f} | {row(m)} |")
+        print(lines[-1], flush=True)
+        if m["kl"] < best:
+            chosen, best = n, m["kl"]
+    lines += ["", f"Chosen on validation: heavy_length {chosen}.", "", "Reported on the test split:", "",
+              "| plan | honest bpv | test KL [95% CI] |", "|---|---:|---|"]
+    groups = [("", searched, baseline_plans(searched, profile, searched.target_bpv))]
+    if chosen:
+        lowered, baselines, _ = paid(searched, profile, chosen)
+        groups.append((f", {chosen} heavy-hitter copies", lowered, baselines))
+    ratios = []
+    for suffix, plan, baselines in groups:
+        kls = []
+        for label, p in [("searched" + (" (the recorded plan)" if not suffix else ", slots lowered"), plan),
+                         *baselines]:
+            m = scorers.test(p)
+            kls.append(m["kl"])
+            lines.append(f"| {label}{suffix} | {p.bpv().total:.4f} | {row(m)} |")
+            print(lines[-1], flush=True)
+        ratios.append((kls[0], min(kls[1:])))
+    lines += [""] + [f"Searched / best codec-only baseline{' with copies' if i else ''}: {s / b:.2f}x "
+                     f"({s:.4f} / {b:.4f})." for i, (s, b) in enumerate(ratios)]
+    lines += ["", f"Wall time {time.time() - t0:.0f} s."]
+    atomic_write_text(args.out, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
