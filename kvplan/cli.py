@@ -62,7 +62,8 @@ def _cmd_search(args) -> int:
     def check_budgets(geometry, reference, modalities):
         """Reject an unreachable budget before any full-precision prefill."""
         bmodel = BpvModel(SearchSpace(geometry, modalities, args.granularity, DEFAULT_BITS,
-                                      residual_bits=args.residual_bits, sink_bits=args.sink_bits), reference)
+                                      residual_bits=args.residual_bits, sink_bits=args.sink_bits,
+                                      heavy_length=args.heavy_length), reference)
         for b in parsed:
             bmodel.check_budget(b)
 
@@ -93,6 +94,7 @@ def _cmd_search(args) -> int:
         extra["codebooks"] = () if args.codebooks == "none" else tuple(args.codebooks.split(","))
     extra["residual_bits"] = args.residual_bits
     extra["sink_bits"] = args.sink_bits
+    extra["heavy_length"] = args.heavy_length
     if args.no_error_feedback:
         extra["error_feedback"] = False
     result = search(model=args.model, budget=budgets, granularity=args.granularity, n_trials=args.trials,
@@ -209,8 +211,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .search.space import (DEFAULT_FORMATS, DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS, DEFAULT_SINK_BITS,
-                               DEFAULT_TRIALS)
+    from .search.space import (DEFAULT_FORMATS, DEFAULT_HEAVY_LENGTH, DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS,
+                               DEFAULT_SINK_BITS, DEFAULT_TRIALS)
     from ._version import __version__
 
     p = _Parser(prog="kvplan", description="Find, explain and deploy mixed-precision KV-cache plans.")
@@ -300,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sink-bits", type=int, choices=[8, 16], default=DEFAULT_SINK_BITS,
                    help="how plans hold the attention-sink tokens (--sink-lengths): 16 = as written, 8 = per-token "
                         f"codes in the slots' rotated frame (default {DEFAULT_SINK_BITS})")
+    s.add_argument("--heavy-length", type=_non_negative, default=DEFAULT_HEAVY_LENGTH, metavar="N",
+                   help="heavy-hitter copies per KV head of every plan: the N committed tokens a prompt's last 32 "
+                        "queries attend to most keep a residual-precision copy that reads use (paid in bpv; "
+                        f"default {DEFAULT_HEAVY_LENGTH})")
     s.add_argument("--no-error-feedback", action="store_true",
                    help="round slot codes to the nearest level (default: codes chosen by error feedback under "
                         "metrics learned from the calibration queries and the output projections; same bytes)")

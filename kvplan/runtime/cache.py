@@ -214,8 +214,8 @@ class KVPlanLayer(CacheLayerMixin):
         pos = h.positions.long()
         if h.slots_quantized is None:  # [H_kv, M]: both kinds' slots below 16 bits
             table = torch.from_numpy(self.owner.code_table[self.layer_idx] != FULL_PRECISION_BITS)  # [H_kv, 2, M]
-            h.slots_quantized = table.all(dim=1).to(pos.device)
-        both = h.slots_quantized
+            h.slots_quantized = table.all(dim=1)
+        both = h.slots_quantized.to(pos.device)
         mods = self.owner.plan.modalities
         if len(mods) == 1:
             return pos, both[:, 0][None, :, None].expand_as(pos)

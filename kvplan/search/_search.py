@@ -88,9 +88,9 @@ from .budget import (
 from .feedback_metric import feedback_metric, output_projections
 from .key_basis import basis_of_moments, query_second_moments
 from .sensitivity import DEFAULT_HEAD_UNITS, correction_factor, recent_factor, run_profile, slot_sensitivity
-from .space import (DEFAULT_BITS, DEFAULT_FORMATS, DEFAULT_GROUP_SIZES, DEFAULT_KEY_AXES, DEFAULT_KEY_CORRECTION_RANK,
-                    DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS, DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS,
-                    DEFAULT_SINK_LENGTHS, DEFAULT_TRIALS, SearchSpace)
+from .space import (DEFAULT_BITS, DEFAULT_FORMATS, DEFAULT_GROUP_SIZES, DEFAULT_HEAVY_LENGTH, DEFAULT_KEY_AXES,
+                    DEFAULT_KEY_CORRECTION_RANK, DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS,
+                    DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS, DEFAULT_SINK_LENGTHS, DEFAULT_TRIALS, SearchSpace)
 from ..errors import describe
 from ..plans._files import sidecar_paths, write_file_set  # noqa: F401 -- sidecar_paths is public here
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
@@ -634,7 +634,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            key_correction_bits: int = 4, rotation: str | None = None, key_pre_rope: bool | None = None,
            key_scaling: str | None = None, value_scaling: str | None = None, codebooks: Sequence[str] | None = None,
            residual_bits: int = DEFAULT_RESIDUAL_BITS, recent_lengths: Sequence[int] = DEFAULT_RECENT_LENGTHS,
-           sink_bits: int = DEFAULT_SINK_BITS, error_feedback: bool | None = None, pareto: bool = False,
+           sink_bits: int = DEFAULT_SINK_BITS, heavy_length: int = DEFAULT_HEAVY_LENGTH,
+           error_feedback: bool | None = None, pareto: bool = False,
            profile: bool | Mapping[str, float] = True,
            profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
            surrogate_offset: bool = True,
@@ -681,6 +682,9 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     (the newest committed tokens keep a residual-precision copy that reads use; paid in bpv).
     ``sink_bits``: how every searched plan holds its attention-sink positions (``quantizer.sink_bits``: 16
     as written, 8 per-token codes in the slots' rotated frame; default ``DEFAULT_SINK_BITS``).
+    ``heavy_length``: heavy-hitter copies every searched plan keeps per KV head (``quantizer.heavy_length``:
+    the committed tokens a prompt's last queries attend to most keep a residual-precision copy that reads
+    use; paid in bpv, so the search lowers slot bits to fit them; default ``DEFAULT_HEAVY_LENGTH``).
     ``error_feedback``: every searched plan carries a ``feedback_metric`` (learned from the same
     calibration queries and the model's output projections, :mod:`.feedback_metric`) and its slot
     codes are chosen by error feedback (:mod:`kvplan.kernels.feedback`: same formats and bytes);
@@ -783,7 +787,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                            rotation=rotation, rope_inv_freq=inv_freq if key_pre_rope else None,
                            key_scaling=key_scaling, value_scaling=value_scaling, codebooks=codebooks,
                            labelling=labelling_name, residual_bits=residual_bits, recent_lengths=recent_lengths,
-                           sink_bits=sink_bits, feedback_metric=feedback_metric)
+                           sink_bits=sink_bits, feedback_metric=feedback_metric, heavy_length=heavy_length)
 
     BpvModel(make_space(None), reference).check_budget(min(budgets))  # before any study or basis work
     data_hash = getattr(scorer, "data_hash", None)
@@ -827,6 +831,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                   # only when set: studies made before the field existed stay joinable
                   **({"residual_bits": residual_bits} if residual_bits != FULL_PRECISION_BITS else {}),
                   **({"sink_bits": sink_bits} if sink_bits != FULL_PRECISION_BITS else {}),
+                  **({"heavy_length": heavy_length} if heavy_length else {}),
                   **({"error_feedback": True} if error_feedback else {}),
                   **({"recent_lengths": sorted(set(recent_lengths))} if tuple(recent_lengths) != (0,) else {})}})
     _check_identity(study, identity, study_name, label)

@@ -24,7 +24,8 @@ import numpy as np
 from ..errors import KVPlanError
 from ..kernels.qtypes import FULL_PRECISION_BITS
 from ..plans import QuantizerSettings, Reference, committed_length, split_codes, stored_runs
-from ..plans.accounting import _clip_runs, correction_bytes, recent_tokens, run_bytes, sliding_kept_start, stored_tokens
+from ..plans.accounting import (HEAVY_META_BYTES, _clip_runs, correction_bytes, heavy_tokens, recent_tokens, run_bytes,
+                                sliding_kept_start, stored_tokens)
 from .space import Q_FIELDS, SearchSpace
 
 EPS = 1e-9
@@ -141,8 +142,13 @@ class BpvModel:
         residual_positions = sum(T - max(C, kept) + recent_tokens(C, q.recent_length, q.sink_length, kept)
                                  for kept in kept_starts)
         sink_positions = sum(max(0, min(q.sink_length, C) - kept) for kept in kept_starts)
-        const = 8.0 * (residual_positions * q.residual_token_bytes(g.head_dim, fp_bytes)
-                       + sink_positions * q.sink_token_bytes(g.head_dim, fp_bytes)) * g.num_kv_heads * 2 / self.n_values(q)
+        # ... and the heavy-hitter copies of full-attention layers, with their positions and scores
+        heavy = sum(heavy_tokens(C, q.heavy_length, q.sink_length, g.window(layer) is not None)
+                    for layer in range(g.num_layers))
+        token_bytes = q.residual_token_bytes(g.head_dim, fp_bytes)
+        const = 8.0 * ((residual_positions + heavy) * token_bytes * 2
+                       + sink_positions * q.sink_token_bytes(g.head_dim, fp_bytes) * 2
+                       + heavy * HEAVY_META_BYTES) * g.num_kv_heads / self.n_values(q)
         sc = self.slot_costs(q)
         bit_col = {c: i for i, c in enumerate(self.space.codes)}
         groups = self.space.groups

@@ -61,6 +61,9 @@ DEFAULT_RESIDUAL_BITS = 8
 # validation KL with them vs 0.0319 with the sink as written (fp32: 0.046 bpv more at 512 tokens, while the
 # plan recorded before, at 7ae02ac, reads 0.03197 with its sink coded vs 0.03190: bench/results/sink_bits.md)
 DEFAULT_SINK_BITS = 8
+# heavy-hitter copies per KV head of searched plans (quantizer.heavy_length): off until a search with them is
+# chosen on the validation split (bench/search.md, "Heavy-hitter copies")
+DEFAULT_HEAVY_LENGTH = 0
 # rank of the HeadQ-style key correction the search offers for key slots at the lowest bits (0 = off);
 # chosen on the validation split: the default search at 2.5 bpv reached validation KL 0.0679 with rank 2
 # vs 0.0776 with rank 0 (bench/results/key_correction_rank/; ranks 1 and 4 not re-run on validation)
@@ -109,7 +112,7 @@ class SearchSpace:
                  value_scaling: str = "minmax-fp16", codebooks: Sequence[str] = (),
                  labelling: str = TOKEN_IDS_NAME, residual_bits: int = FULL_PRECISION_BITS,
                  recent_lengths: Sequence[int] = (0,), sink_bits: int = FULL_PRECISION_BITS,
-                 feedback_metric=None):
+                 feedback_metric=None, heavy_length: int = 0):
         if granularity not in GRANULARITIES:
             raise KVPlanError(f"granularity {granularity!r} is not one of {list(GRANULARITIES)}")
         bits = tuple(sorted(set(int(b) for b in bits)))
@@ -149,8 +152,8 @@ class SearchSpace:
         self.rope_inv_freq = None if rope_inv_freq is None else as_floats(normalize_rope_inv_freq(rope_inv_freq))
         self.fixed_fields = {**self.key_correction, "rotation": rotation, "key_pre_rope": rope_inv_freq is not None,
                              "key_scaling": key_scaling, "value_scaling": value_scaling,
-                             "residual_bits": residual_bits, "sink_bits": sink_bits}
-        QuantizerSettings(**self.fixed_fields)  # validates rotation, scalings, residual_bits and sink_bits
+                             "residual_bits": residual_bits, "sink_bits": sink_bits, "heavy_length": heavy_length}
+        QuantizerSettings(**self.fixed_fields)  # validates rotation, scalings, residual and sink bits, heavy copies
         # kinds whose quantized bits get Lloyd-Max codebooks (fitted per group length: codebooks_for)
         self.codebook_kinds = tuple(k for k in ("k", "v") if k in tuple(codebooks))
         if len(self.codebook_kinds) != len(tuple(codebooks)):
@@ -332,6 +335,7 @@ class SearchSpace:
                             "value_scaling": self.fixed_fields["value_scaling"],
                             "codebooks": list(self.codebook_kinds)},
                 "residual_bits": self.fixed_fields["residual_bits"], "sink_bits": self.fixed_fields["sink_bits"],
+                **({"heavy_length": heavy} if (heavy := self.fixed_fields["heavy_length"]) else {}),
                 **({"error_feedback": {"metric_sha256": _digest(self.feedback_metric.array)}}
                    if self.feedback_metric is not None else {}),
                 **({"recent_lengths": list(self.recent_lengths)} if self.recent_lengths != (0,) else {}),

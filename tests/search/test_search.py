@@ -122,6 +122,16 @@ def test_residual_bits_reach_every_scored_plan_and_the_export(tmp_path):
     assert json.loads(out.with_suffix(".search.json").read_text())["space"]["residual_bits"] == 8
 
 
+def test_heavy_copies_reach_every_scored_plan_and_are_paid_in_the_budget(tmp_path):
+    sc = Recorder()
+    out = tmp_path / "plan.yaml"
+    r = search(budget="2.8bpv", n_trials=10, seed=0, scorer=sc, out=out, profile=False,
+               **{**FAST, "residual_bits": 8, "heavy_length": 6})
+    assert r.plan.quantizer.heavy_length == 6 and Plan.from_yaml(out).quantizer.heavy_length == 6
+    assert max(sc.trial_bpv) <= 2.8 + 1e-9  # the copies' bytes count in every proposal
+    assert json.loads(out.with_suffix(".search.json").read_text())["space"]["heavy_length"] == 6
+
+
 @pytest.mark.parametrize("granularity", ["layer_kv", "kvtuner"])
 def test_coarse_granularities(granularity):
     r = search(budget=3.0, granularity=granularity, n_trials=12, scorer=SyntheticScorer(), out=None, profile=False,

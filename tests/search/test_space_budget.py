@@ -75,7 +75,9 @@ FORMAT_SPACES = {"v1": {}, "formats": {"key_scaling": "minmax-e4m3", "value_scal
                  # committed tokens after a sink (the reference commits 384 or 256 of 512)
                  "recent": {"residual_bits": 8, "recent_lengths": (0, 5, 300, 600)},
                  # sink positions as 8-bit per-token codes (quantizer.sink_bits)
-                 "sink8": {"sink_bits": 8}}
+                 "sink8": {"sink_bits": 8},
+                 # heavy-hitter copies per KV head of full layers: fewer and more than the committed tokens
+                 "heavy": {"residual_bits": 8, "heavy_length": 7}, "heavy600": {"heavy_length": 600}}
 
 
 @pytest.mark.parametrize("formats", list(FORMAT_SPACES))
@@ -94,6 +96,8 @@ def test_bpv_model_equals_accounting(granularity, formats):
         assert BpvModel(sp, REF).floor(q) < plain.floor(dataclasses.replace(q, residual_bits=16))
     elif formats == "sink8":
         assert all(q.sink_bits == 8 for q in sp.quantizers())
+    elif formats.startswith("heavy"):
+        assert all(q.heavy_length == FORMAT_SPACES[formats]["heavy_length"] for q in sp.quantizers())
     elif formats not in ("v1", "recent"):  # every quantizer of the space carries its formats and group-length codebooks
         assert all(q.value_scaling == "absmax-e4m3" and len(q.codebooks) == 6 for q in sp.quantizers())
         assert all(sp.contains_quantizer(q) for q in sp.quantizers())
