@@ -31,6 +31,8 @@ from .storage import PackedBlock
 
 # queries at the end of a prompt whose attention chooses the copies (SnapKV's observation window)
 HEAVY_WINDOW = 32
+# the attention function recording_window_queries registers for the length of a prefill
+RECORDER_NAME = "kvplan_record_window"
 
 
 def window_mass(query: torch.Tensor, keys: torch.Tensor, scaling: float,
@@ -229,5 +231,3 @@ def recording_window_queries(model, out: dict):
     finally:
         set_text_attention(model, impl)
 
-
-RECORDER_NAME = "kvplan_record_window"
