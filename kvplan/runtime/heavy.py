@@ -11,8 +11,8 @@ residual's precision, as :class:`~kvplan.runtime.storage.Residual` codes them, w
 KV head, give each token, summed). Each KV head then keeps its ``heavy_length`` best-scored tokens
 among its held copies and the candidates (ties: the newest first). Tokens committed with no scoring
 forward (decode steps, or writes without kvplan's attention) are unscored candidates (score -1,
-below every probability): they fill free places and never displace a scored copy. The number of copies is therefore
-:func:`kvplan.plans.accounting.heavy_tokens` at every length, whatever the scores.
+below every probability): they fill free places and never displace a scored copy. The number of
+copies is therefore :func:`kvplan.plans.accounting.heavy_tokens` at every length, whatever the scores.
 
 Full-attention layers only; sink positions are never candidates (they are stored apart already).
 A copy replaces only reads of a quantized slot: a 16-bit slot reads its own exact token.

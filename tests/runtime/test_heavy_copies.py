@@ -41,7 +41,8 @@ def test_bytes_equal_the_plan_at_every_length(bits):
         assert cache.layers[1].heavy is None
     # 5 copies x 2 heads x (K and V codes + position and score)
     token = plan.quantizer.residual_token_bytes(64, 4)
-    extra = plan.bpv(context_len=T, full_precision_bits=32).total - without.bpv(context_len=T, full_precision_bits=32).total
+    extra = (plan.bpv(context_len=T, full_precision_bits=32).total
+             - without.bpv(context_len=T, full_precision_bits=32).total)
     n_values = 2 * 2 * 64 * (T + T - cache.layers[1].dropped)
     assert extra == pytest.approx(8 * 5 * 2 * (2 * token + 8) / n_values)
 
