@@ -61,8 +61,9 @@ DEFAULT_RESIDUAL_BITS = 8
 # validation KL with them vs 0.0319 with the sink as written (fp32: 0.046 bpv more at 512 tokens, while the
 # plan recorded before, at 7ae02ac, reads 0.03197 with its sink coded vs 0.03190: bench/results/sink_bits.md)
 DEFAULT_SINK_BITS = 8
-# heavy-hitter copies per KV head of searched plans (quantizer.heavy_length): off until a search with them is
-# chosen on the validation split (bench/search.md, "Heavy-hitter copies")
+# heavy-hitter copies per KV head of searched plans (quantizer.heavy_length), off: on the validation split 2
+# copies helped the default model's search (0.0186 vs 0.0198) and hurt Gemma-3-270M's (0.0458 vs 0.0403;
+# bench/search.md)
 DEFAULT_HEAVY_LENGTH = 0
 # rank of the HeadQ-style key correction the search offers for key slots at the lowest bits (0 = off);
 # chosen on the validation split: the default search at 2.5 bpv reached validation KL 0.0679 with rank 2
