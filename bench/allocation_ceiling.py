@@ -41,7 +41,7 @@ from bench.codec_baselines import baseline_plans  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
 from kvplan.search import BpvModel, SearchSpace  # noqa: E402
-from kvplan.search.budget import greedy_knapsack, group_damage, knapsack_seed  # noqa: E402
+from kvplan.search.budget import greedy_knapsack, group_damage, knapsack_seed, repair  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
 from kvplan.search.sensitivity import correction_factor, slot_sensitivity  # noqa: E402
 
@@ -60,6 +60,22 @@ def plan_space(plan: Plan, **choices) -> SearchSpace:
                  group_sizes=(q.group_size,), residual_lengths=(q.residual_length,),
                  feedback_metric=plan.feedback_metric)
     return SearchSpace(plan.geometry, plan.modalities, "slot", **{**fixed, **choices})
+
+
+def search_profile(plan_path: str) -> dict:
+    """The calibration sensitivity profile the search wrote beside ``plan_path`` (``<plan>.search.json``)."""
+    with open(os.path.splitext(plan_path)[0] + ".search.json") as f:
+        return json.load(f)["profile"]
+
+
+def lowered_to(plan: Plan, profile: dict, budget: float) -> Plan:
+    """``plan`` with its slot bits lowered by the search's own repair (least predicted damage per bpv
+    first, the damage model of ``profile``) until it fits ``budget``; its quantizer as it is."""
+    space = plan_space(plan)
+    model = BpvModel(space, plan.reference)
+    damage = group_damage(space, slot_sensitivity(space, profile), correction_factor(profile))
+    levels, q, _ = repair(model, space.levels_of_table(plan.code_table()), plan.quantizer, budget, damage)
+    return space.plan_of_table(space.table_of_levels(levels), q, plan.reference)
 
 
 def one_bit_optimum(costs: np.ndarray, damage: np.ndarray, bit_cost: np.ndarray, k: float, slack: float) -> float:
@@ -83,8 +99,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "1")))
     t0 = time.time()
     searched = Plan.from_yaml(args.plan)
-    with open(os.path.splitext(args.plan)[0] + ".search.json") as f:
-        profile = json.load(f)["profile"]
+    profile = search_profile(args.plan)
     budget = searched.target_bpv or searched.bpv().total
     space = plan_space(searched)
     model = BpvModel(space, searched.reference)

@@ -37,7 +37,6 @@ could differ from a uniform one.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -47,16 +46,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.allocation_ceiling import plan_space  # noqa: E402
+from bench.allocation_ceiling import lowered_to, search_profile  # noqa: E402
 from bench.codec_baselines import baseline_plans  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.evaluation import harness  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
 from kvplan.runtime import storage  # noqa: E402
-from kvplan.search import BpvModel  # noqa: E402
-from kvplan.search.budget import group_damage, repair  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
-from kvplan.search.sensitivity import correction_factor, slot_sensitivity  # noqa: E402
 
 WINDOW = 32
 # (kinds protected, share of the history, selection)
@@ -190,12 +186,8 @@ def paid_rows(searched: Plan, path: str, counts=PAID):
     """``(label, plan, copies per head, allocation)``: the searched plan and the best HeadGuard-style
     baseline at 2.5 bpv, and each lowered to pay for ``counts`` window copies per head (each count
     with its allocations)."""
-    with open(os.path.splitext(path)[0] + ".search.json") as f:
-        profile = json.load(f)["profile"]
+    profile = search_profile(path)
     budget = searched.target_bpv
-    space = plan_space(searched)
-    model = BpvModel(space, searched.reference)
-    damage = group_damage(space, slot_sensitivity(space, profile), correction_factor(profile))
     per_copy = searched.bpv().residual / searched.quantizer.recent_length  # K and V of one token, all heads
 
     def headguard(b):
@@ -205,8 +197,7 @@ def paid_rows(searched: Plan, path: str, counts=PAID):
                                                    "uniform")]
     for n, allocs in counts:
         b = budget - n * per_copy
-        levels, q, _ = repair(model, space.levels_of_table(searched.code_table()), searched.quantizer, b, damage)
-        lowered = space.plan_of_table(space.table_of_levels(levels), q, searched.reference)
+        lowered = lowered_to(searched, profile, b)
         for alloc in allocs:
             rows.append((f"searched, repaired to {b:.3f}", lowered, n, alloc))
             rows.append((f"HeadGuard-style at {b:.3f}", headguard(b), n, alloc))

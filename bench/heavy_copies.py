@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -29,14 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.allocation_ceiling import plan_space  # noqa: E402
+from bench.allocation_ceiling import lowered_to, search_profile  # noqa: E402
 from bench.codec_baselines import baseline_plans  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
-from kvplan.search import BpvModel  # noqa: E402
-from kvplan.search.budget import group_damage, repair  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
-from kvplan.search.sensitivity import correction_factor, slot_sensitivity  # noqa: E402
 
 COUNTS = (2, 4, 6, 8)
 
@@ -50,12 +46,7 @@ def paid(searched: Plan, profile: dict, n: int) -> tuple[Plan, list[tuple[str, P
     every plan with ``heavy_length = n`` and within ``searched``'s budget."""
     budget = searched.target_bpv
     cost = with_copies(searched, n).bpv().total - searched.bpv().total  # the copies' bytes at the reference
-    space = plan_space(searched)
-    model = BpvModel(space, searched.reference)
-    damage = group_damage(space, slot_sensitivity(space, profile), correction_factor(profile))
-    levels, q, _ = repair(model, space.levels_of_table(searched.code_table()), searched.quantizer, budget - cost,
-                          damage)
-    lowered = with_copies(space.plan_of_table(space.table_of_levels(levels), q, searched.reference), n)
+    lowered = with_copies(lowered_to(searched, profile, budget - cost), n)
     baselines = [(label, with_copies(p, n)) for label, p in baseline_plans(searched, profile, budget - cost)]
     for _, p in [("searched", lowered), *baselines]:
         assert p.bpv().total <= budget + 1e-9, (p.name, p.bpv().total)
@@ -71,8 +62,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "1")))
     t0 = time.time()
     searched = Plan.from_yaml(args.plan)
-    with open(os.path.splitext(args.plan)[0] + ".search.json") as f:
-        profile = json.load(f)["profile"]
+    profile = search_profile(args.plan)
     scorers = task_scorers(n_calibration=1, n_validation=16, n_test=16, progress=False)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Heavy-hitter copies paid with slot bits: the searched plan and the best codec-only baseline", "",
