@@ -337,7 +337,7 @@ def build_plan_cache(model, plan: Plan, prepared: PreparedSample) -> KVPlanCache
     for i, (k, v) in enumerate(prepared.kv):
         layer = cache.layers[i]
         layer.update(k, v)
-        if getattr(layer, "heavy", None) is not None and layer.heavy.pending:
+        if layer.heavy is not None and layer.heavy.pending:
             # what kvplan's attention function does at a deployed prompt: its last queries (recorded
             # by the full-precision prefill) score the committed tokens for the heavy-hitter copies
             if prepared.window_queries is None or i not in prepared.window_queries:

@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 
 from ..kernels import FULL_PRECISION_BITS
-from .storage import PackedBlock
+from .storage import PackedBlock, Residual
 
 # queries at the end of a prompt whose attention chooses the copies (SnapKV's observation window)
 HEAVY_WINDOW = 32
@@ -68,6 +68,18 @@ def _cat(a, b):
     cat = lambda x, y: None if x is None else torch.cat([x, y], dim=2)  # noqa: E731
     return replace(a, codes=cat(a.codes, b.codes), scale=cat(a.scale, b.scale), zero=cat(a.zero, b.zero),
                    length=a.length + b.length)
+
+
+def _mapped(store, fn):
+    """A store (tensor or :class:`PackedBlock`) with ``fn`` applied to every tensor it holds."""
+    if torch.is_tensor(store):
+        return fn(store)
+    store.map_tensors(fn)
+    return store
+
+
+def _nbytes(store) -> int:
+    return store.nbytes if torch.is_tensor(store) else sum(store.nbytes_parts().values())
 
 
 def _select(store, idx: torch.Tensor):
@@ -112,7 +124,7 @@ class HeavyCopies:
         at ``bits`` now (their first coding, as the residual would have coded them)."""
         stores = {}
         for kind, (sealed, fresh) in parts.items():
-            store = None if sealed is None else _select(sealed, _all_tokens(sealed))  # (coded: bits < 16)
+            store = None if sealed is None else Residual._copied(replace(sealed))  # (coded: bits < 16)
             if fresh.shape[-2]:
                 if self.bits == FULL_PRECISION_BITS:
                     coded = fresh.clone()
@@ -161,18 +173,13 @@ class HeavyCopies:
         store = self.copies[kind]
         return store.to(dtype) if torch.is_tensor(store) else store.decode(dtype)
 
-    def _stores(self):
-        yield from (s for s in self.copies.values() if s is not None)
-        if self._candidates is not None:
-            yield from self._candidates[1].values()
-
     @property
     def nbytes(self) -> int:
         """Bytes held: the copies' codes (or tensors), scales and zero-points, their positions and
         scores, and any candidates still waiting for a score."""
-        n = 0
-        for s in self._stores():
-            n += s.nbytes if torch.is_tensor(s) else sum(s.nbytes_parts().values())
+        n = sum(_nbytes(s) for s in self.copies.values() if s is not None)
+        if self._candidates is not None:
+            n += sum(_nbytes(s) for s in self._candidates[1].values())
         if self.positions is not None:
             n += self.positions.nbytes + self.scores.nbytes
         return n
@@ -181,24 +188,10 @@ class HeavyCopies:
         """Apply ``fn`` to every stored tensor (batch dim first), e.g. for beam reordering."""
         if self.positions is not None:
             self.positions, self.scores = fn(self.positions), fn(self.scores)
-        for kind, s in self.copies.items():
-            if s is not None:
-                if torch.is_tensor(s):
-                    self.copies[kind] = fn(s)
-                else:
-                    s.map_tensors(fn)
+        self.copies = {kind: None if s is None else _mapped(s, fn) for kind, s in self.copies.items()}
         if self._candidates is not None:
-            for kind, s in self._candidates[1].items():
-                if torch.is_tensor(s):
-                    self._candidates[1][kind] = fn(s)
-                else:
-                    s.map_tensors(fn)
-
-
-def _all_tokens(block: PackedBlock) -> torch.Tensor:
-    """Index ``[B, H, t]`` of every token of a token-axis block (a copy of it through :func:`_select`)."""
-    B, H = block.codes.shape[:2]
-    return torch.arange(block.length, device=block.codes.device).expand(B, H, block.length)
+            positions, stores = self._candidates
+            self._candidates = (positions, {kind: _mapped(s, fn) for kind, s in stores.items()})
 
 
 @contextmanager
