@@ -3,6 +3,8 @@ paid with slot bits: the built feature, bytes counted, on the deployed route.
 
     python bench/heavy_copies.py bench/results/search-2.5bpv.yaml
         # -> bench/results/heavy_copies.md (~10 min)
+    python bench/heavy_copies.py bench/results/search-2.5bpv.yaml --write-plan 2 /tmp/heavy2.yaml
+        # only write the plan with 2 copies per KV head, slots lowered to pay for them (no scoring)
 
 For each number of copies ``n`` per KV head, the searched plan's slots are lowered by the search's own
 repair (least predicted damage per bpv first, the calibration profile's damage model) until the plan
@@ -58,7 +60,15 @@ def main() -> None:
     ap.add_argument("plan")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "heavy_copies.md"))
+    ap.add_argument("--write-plan", nargs=2, metavar=("N", "OUT"),
+                    help="write the plan with N copies per KV head (slots lowered to pay) to OUT and stop")
     args = ap.parse_args()
+    if args.write_plan:
+        n, out = int(args.write_plan[0]), args.write_plan[1]
+        lowered, _, _ = paid(Plan.from_yaml(args.plan), search_profile(args.plan), n)
+        lowered.to_yaml(out)
+        print(f"{out}: heavy_length {n}, {lowered.bpv().total:.4f} honest bpv")
+        return
     torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "1")))
     t0 = time.time()
     searched = Plan.from_yaml(args.plan)

@@ -10,7 +10,7 @@ On the embedded default model (SmolLM2-135M, fp32 on CPU) it measures, for each 
   model in fp16);
 * ``quanto-int{4,2}`` / ``hqq-int{4,2}``: transformers ``QuantizedCache`` (defaults: group
   64, residual 128), as far as the backends install;
-* ``kvplan-int4`` / ``kvplan-int2`` / ``kvplan-k4v2`` (and ``plan:<name>`` for ``--plan-file``):
+* ``kvplan-int4`` / ``kvplan-int2`` / ``kvplan-k4v2`` (and ``plan:<file>`` for each ``--plan-file``):
   :class:`kvplan.KVPlanCache` with the decode attention ``kvplan.load`` picks
   (``--kvplan-attention auto``: the chunked PyTorch kernel on CPU, Triton on CUDA;
   ``dequantize``: dequantize the history, then the model's SDPA). Other configs run the
@@ -73,7 +73,7 @@ FP16_SUFFIX = "@fp16"  # a kvplan config run on the fp16 copy of the model (pref
 
 
 # ----------------------------------------------------------------------------- configs
-def config_names(plan_file: str | None, skip: dict) -> list[str]:
+def config_names(plan_files: list[str], skip: dict) -> list[str]:
     names = ["dynamic-fp32", "dynamic-fp16"]
     for backend, nbits in QUANTIZED:
         name = f"{backend}-int{nbits}"
@@ -81,7 +81,7 @@ def config_names(plan_file: str | None, skip: dict) -> list[str]:
             skip[name] = f"backend {backend!r} does not import (pip install hqq optimum-quanto)"
             continue
         names.append(name)
-    kvplan_names = [f"kvplan-{b}" for b in KVPLAN_BASELINES] + (["plan:" + plan_file] if plan_file else [])
+    kvplan_names = [f"kvplan-{b}" for b in KVPLAN_BASELINES] + ["plan:" + f for f in plan_files]
     # prefill only (CPU): the same plans on the fp16 model, compared with the fp16 model's DynamicCache
     return names + kvplan_names + [n + FP16_SUFFIX for n in kvplan_names]
 
@@ -365,12 +365,18 @@ def run_prefill_cuda(args, names, model, ids_all, plans) -> dict:
 
 # ----------------------------------------------------------------------------- decode
 def fill_states(model, ids: torch.Tensor):
-    """Per-layer (keys, values) ``[1, H_kv, T, D]`` of a real DynamicCache prefill."""
+    """Per-layer ``(keys, values [1, H_kv, T, D], window queries)`` of a real DynamicCache prefill (the
+    model's SDPA): the window queries are each layer's last 32 queries and scaling, with which a plan's
+    heavy-hitter copies are chosen (what kvplan's attention function does at a deployed prompt)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids.unsqueeze(0).to(model.device), cache=cache, logits_to_keep=1)
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    from kvplan.runtime.heavy import recording_window_queries
+
+    use_attention(model, REFERENCE)  # the model's own SDPA
+    cache, queries = DynamicCache(config=model.config), {}
+    with recording_window_queries(model, queries):
+        model(input_ids=ids.unsqueeze(0).to(model.device), cache=cache, logits_to_keep=1)
+    return [(layer.keys, layer.values, queries.get(i)) for i, layer in enumerate(cache.layers)]
 
 
 def history_labels(plan, T: int) -> list[str]:
@@ -384,10 +390,18 @@ def history_labels(plan, T: int) -> list[str]:
 
 
 def fill(cache, states, batch: int, dtype):
-    for i, (k, v) in enumerate(states):
+    """Write the prefill states into ``cache`` (every layer's ``update``, as a prefill does); a kvplan
+    layer keeping heavy-hitter copies scores its tokens with the recorded queries, as kvplan's attention
+    function does in the prompt's forward (the search's harness does the same)."""
+    for i, (k, v, window) in enumerate(states):
         if batch > 1:
             k, v = k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)
-        cache.update(k.to(dtype).contiguous(), v.to(dtype).contiguous(), i)
+        k, v = k.to(dtype).contiguous(), v.to(dtype).contiguous()
+        cache.update(k, v, i)
+        layer = cache.layers[i]
+        if getattr(layer, "heavy", None) is not None and layer.heavy.pending:
+            query, scaling = window
+            layer.observe_prompt(query.expand(batch, -1, -1, -1).to(dtype), k, scaling)
     return cache
 
 
@@ -559,7 +573,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", nargs="+", help="only these configs (names as in the table)")
     p.add_argument("--kvplan-attention", default="auto", choices=["auto", "native", "chunked", "triton", "dequantize"],
                    help="decode attention of the kvplan configs, as kvplan.load(..., attention=...)")
-    p.add_argument("--plan-file", help="a searched plan file (YAML) to add")
+    p.add_argument("--plan-file", action="append", default=[],
+                   help="a searched plan file (YAML) to add (repeat for several)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
                    help="torch intra-op threads (1 is steadier on a shared CPU)")
