@@ -3,6 +3,8 @@ paid with slot bits: the built feature, bytes counted, on the deployed route.
 
     python bench/heavy_copies.py bench/results/search-2.5bpv.yaml
         # -> bench/results/heavy_copies.md (~10 min)
+    python bench/heavy_copies.py bench/results/gemma3/plan.yaml --model gemma3-270m \
+        --out bench/results/gemma3/heavy_copies.md                        # the second real model
     python bench/heavy_copies.py bench/results/search-2.5bpv.yaml --write-plan 2 /tmp/heavy2.yaml
         # only write the plan with 2 copies per KV head, slots lowered to pay for them (no scoring)
 
@@ -58,6 +60,8 @@ def paid(searched: Plan, profile: dict, n: int) -> tuple[Plan, list[tuple[str, P
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("plan")
+    ap.add_argument("--model", default="smollm2-135m", help="the model the plan was searched on (a kvplan.load_model "
+                    "name, .gguf file or directory; default: the embedded default model)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "heavy_copies.md"))
     ap.add_argument("--write-plan", nargs=2, metavar=("N", "OUT"),
@@ -73,10 +77,10 @@ def main() -> None:
     t0 = time.time()
     searched = Plan.from_yaml(args.plan)
     profile = search_profile(args.plan)
-    scorers = task_scorers(n_calibration=1, n_validation=16, n_test=16, progress=False)
+    scorers = task_scorers(args.model, n_calibration=1, n_validation=16, n_test=16, progress=False)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Heavy-hitter copies paid with slot bits: the searched plan and the best codec-only baseline", "",
-             f"Command: `python bench/heavy_copies.py {args.plan}` at commit {commit} (method in the script's "
+             f"Command: `python bench/heavy_copies.py {' '.join(sys.argv[1:])}` at commit {commit} (method in the script's "
              "docstring).", "", "Choosing the number of copies per KV head (validation split):", "",
              "| heavy_length | slot bits lowered to | honest bpv | validation KL [95% CI] |", "|---:|---:|---:|---|"]
 
