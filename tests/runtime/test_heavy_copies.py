@@ -169,3 +169,29 @@ def test_prefill_recording_changes_no_number():
     assert q.shape == (1, model.config.num_attention_heads, min(HEAVY_WINDOW, 40), model.config.head_dim)
     assert scaling == model.config.head_dim ** -0.5
     assert model.config._attn_implementation != "kvplan_record_window"  # restored
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+def test_left_padded_batch_copies_only_real_tokens(attention):
+    """A left-padded batch through generate: the padded row's prompt attention gives its padding no
+    mass, so no copy points at a padding position, and the packed kernels read what the dequantize
+    route reads."""
+    model = tiny_llama()
+    plan = with_quantizer(uniform_plan(Geometry.of(model), 2, group_size=32, residual_length=0, sink_length=1),
+                          residual_bits=8, recent_length=3, heavy_length=4, rotation="hadamard")
+    ids = torch.randint(5, 200, (2, 60), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 60, dtype=torch.long)
+    mask[1, :17], ids[1, :17] = 0, 0
+    runs = {}
+    for route in ("dequantize", attention):
+        kvplan.load(model, plan, attention=route)
+        runs[route] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                                     output_scores=True, return_dict_in_generate=True)
+        kvplan.unload(model)
+    out, ref = runs[attention], runs["dequantize"]
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    for layer in out.cache.layers:
+        assert layer.heavy.length == 4
+        assert bool((layer.heavy.positions[1] >= 17).all()), layer.heavy.positions[1]
