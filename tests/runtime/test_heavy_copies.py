@@ -181,7 +181,8 @@ def test_left_padded_batch_copies_only_real_tokens(attention):
                           residual_bits=8, recent_length=3, heavy_length=4, rotation="hadamard")
     ids = torch.randint(5, 200, (2, 60), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 60, dtype=torch.long)
-    mask[1, :17], ids[1, :17] = 0, 0
+    # padding with a token the row's prompt attends to: only the attention mask keeps it out of the copies
+    mask[1, :17], ids[1, :17] = 0, ids[1, 28]
     runs = {}
     for route in ("dequantize", attention):
         kvplan.load(model, plan, attention=route)
@@ -189,6 +190,8 @@ def test_left_padded_batch_copies_only_real_tokens(attention):
                                      output_scores=True, return_dict_in_generate=True)
         kvplan.unload(model)
     out, ref = runs[attention], runs["dequantize"]
+    for layer in ref.cache.layers:
+        assert bool((layer.heavy.positions[1] >= 17).all()), layer.heavy.positions[1]
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.scores, ref.scores):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
