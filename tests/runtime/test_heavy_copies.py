@@ -190,11 +190,10 @@ def test_left_padded_batch_copies_only_real_tokens(attention):
                                      output_scores=True, return_dict_in_generate=True)
         kvplan.unload(model)
     out, ref = runs[attention], runs["dequantize"]
-    for layer in ref.cache.layers:
-        assert bool((layer.heavy.positions[1] >= 17).all()), layer.heavy.positions[1]
+    for run in (ref, out):
+        for layer in run.cache.layers:
+            assert layer.heavy.length == 4
+            assert bool((layer.heavy.positions[1] >= 17).all()), layer.heavy.positions[1]
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.scores, ref.scores):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
-    for layer in out.cache.layers:
-        assert layer.heavy.length == 4
-        assert bool((layer.heavy.positions[1] >= 17).all()), layer.heavy.positions[1]
