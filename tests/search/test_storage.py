@@ -104,7 +104,10 @@ class TestStorageContract:
         n = 16
         cfgs = [{"storage": storage_url, "study": "s", "n": n, "sleep": 0.4, "worker": i, "profile": False, **HB}
                 for i in range(2)]
-        cfgs[1]["sleep"] = 3.0  # the victim's evaluations last long enough for the kill to land mid-trial
+        # the victim's evaluations last long enough for the kill to land mid-trial: it is killed as soon as
+        # it is seen holding one, so their length costs nothing; at 3 s a loaded CI box once saw the trial
+        # RUNNING and killed the victim only after it had completed it
+        cfgs[1]["sleep"] = 60.0
         procs = _start_together(cfgs, tmp_path)
         victim = procs[1]
         # wait until the victim holds an evaluation slot mid-trial (after a few finished trials)
