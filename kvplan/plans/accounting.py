@@ -2,8 +2,9 @@
 
 Counts everything the runtime cache stores: packed codes, scales and zero-points (each slot
 format's own bytes, :mod:`kvplan.kernels.formats`),
-full-precision (16-bit slot) tokens, and the residual of newest tokens (as written, or coded:
-``quantizer.residual_bits``).
+full-precision (16-bit slot) tokens, and the per-token residual (as written, or coded:
+``quantizer.residual_bits``): the newest tokens not yet committed and the recent and heavy-hitter
+copies (with the heavy copies' positions and scores).
 
 The commit rule (shared with the runtime, so both see the same token layout):
 after ``T`` tokens, the oldest ``C(T) = max(0, G * floor((T - R) / G))`` tokens are
