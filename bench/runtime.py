@@ -24,8 +24,9 @@ once per T with a real ``DynamicCache`` prefill of B=1 (text from ``pydoc_data``
 per-layer key/value states are fed to every cache's ``update`` (what a prefill does to a
 cache), repeated along the batch for B>1 (rows are identical; the work per step is not
 data dependent); a plan with heavy-hitter copies chooses them with that prefill's last 32 queries
-per layer, as kvplan's attention function does in a prompt's forward. Configs are then timed *interleaved*: ``--rounds`` rounds, each running
-``--steps`` consecutive decode steps of every config in a rotating order; the reported
+per layer, as kvplan's attention function does in a prompt's forward. Configs are then timed
+*interleaved*: ``--rounds`` rounds, each running ``--steps`` consecutive decode steps of every
+config in a rotating order; the reported
 latency is the median over all steps (the mean, which includes periodic commits and
 re-quantizations, is in the JSON). The history grows by ``rounds * steps`` tokens during
 the measurement. Ratios are against ``dynamic-fp32`` measured in the same run.
