@@ -400,10 +400,10 @@ def fill(cache, states, batch: int, dtype):
             k, v = k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)
         k, v = k.to(dtype).contiguous(), v.to(dtype).contiguous()
         cache.update(k, v, i)
-        layer = cache.layers[i]
-        if getattr(layer, "heavy", None) is not None and layer.heavy.pending:
+        observe = getattr(cache.layers[i], "observe_prompt", None)  # kvplan layers (a no-op without copies)
+        if observe is not None:
             query, scaling = window
-            layer.observe_prompt(query.expand(batch, -1, -1, -1).to(dtype), k, scaling)
+            observe(query.expand(batch, -1, -1, -1).to(dtype), k, scaling)
     return cache
 
 
