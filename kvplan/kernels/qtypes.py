@@ -39,6 +39,9 @@ QTYPES: dict[int, QType] = {
 }
 
 SUPPORTED_BITS = (2, 3, 4, 8, FULL_PRECISION_BITS)
+# bits of a streamed KV head's slots (plans schema 8): no codes at all; every attention route gives
+# those positions no weight (the head reads only the cache's copies of its newest tokens)
+STREAMED = 0
 GROUP_SIZES = (32, 64, 128)
 
 

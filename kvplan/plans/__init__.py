@@ -7,13 +7,13 @@ base64 codec), ``_files`` (bounded reads, atomic writes), ``_yaml`` (bounded loa
 default + rules), ``accounting`` (honest bpv), ``baselines``.
 """
 
-from ._checks import CORRECTED, KINDS, SCHEMA_VERSION, split_codes
+from ._checks import CORRECTED, KINDS, SCHEMA_VERSION, STREAMED, split_codes
 from ._fields import BitRule, Provenance, QuantizerSettings, Reference
 from ._files import atomic_write_text
 from ._keybasis import FeedbackMetric, KeyBasis
 from ._plan import Plan
 from .accounting import (BpvBreakdown, committed_length, heavy_tokens, label_runs, layout_labels, plan_bpv,
-                         plan_bytes, recent_tokens, stored_runs)
+                         plan_bytes, recent_tokens, stored_runs, stream_tokens)
 from .baselines import BASELINES, KVTUNER_PAIRS, baseline_plan, headguard_plan, layerwise_plan, uniform_plan
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "KINDS",
     "KVTUNER_PAIRS",
     "SCHEMA_VERSION",
+    "STREAMED",
     "BitRule",
     "BpvBreakdown",
     "FeedbackMetric",
@@ -43,5 +44,6 @@ __all__ = [
     "recent_tokens",
     "split_codes",
     "stored_runs",
+    "stream_tokens",
     "uniform_plan",
 ]

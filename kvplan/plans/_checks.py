@@ -10,15 +10,21 @@ import math
 from typing import Any, Mapping, Sequence
 
 from ..errors import PlanError, describe
+from ..kernels.qtypes import STREAMED  # noqa: F401 (re-exported: plans name it)
 
-SCHEMA_VERSION = 7  # 2: slot formats (quantizer.key_scaling / value_scaling / codebooks); 3: quantizer.residual_bits;
+SCHEMA_VERSION = 8  # 2: slot formats (quantizer.key_scaling / value_scaling / codebooks); 3: quantizer.residual_bits;
 #                      4: quantizer.recent_length; 5: quantizer.sink_bits; 6: feedback_metric;
-#                      7: quantizer.heavy_length; 1 to 6 are read too
+#                      7: quantizer.heavy_length; 8: streamed KV heads (bits 0, quantizer.stream_window);
+#                      1 to 7 are read too
 KINDS = ("k", "v")
 DEFAULT_MODALITY = "text"
 # format code of a key slot stored at ``b`` bits with the key correction: ``b + CORRECTED``
 # (``Plan.code_table``); plain bits are codes below it
 CORRECTED = 100
+# STREAMED (0): the format code (bits) of every slot of a *streamed* KV head (schema version 8,
+# DuoAttention's streaming heads): it stores no codes; its queries attend to the attention-sink
+# positions, to copies of its newest ``quantizer.stream_window`` committed tokens and to the
+# residual, never to older tokens
 
 MAX_LAYERS = 1024
 MAX_KV_HEADS = 1024

@@ -9,8 +9,8 @@ from .._version import __version__
 from ..errors import PlanError
 from ..kernels.formats import DEFAULT_SCALING, SCALINGS, Format, check_levels
 from ..kernels.qtypes import FULL_PRECISION_BITS, GROUP_SIZES, QTYPES, SUPPORTED_BITS
-from ._checks import (CORRECTED, DEFAULT_MODALITY, KINDS, MAX_HEAD_DIM, MAX_TOKENS, check_choice, check_int, is_num,
-                      key_path)
+from ._checks import (CORRECTED, DEFAULT_MODALITY, KINDS, MAX_HEAD_DIM, MAX_TOKENS, STREAMED, check_choice, check_int,
+                      is_num, key_path)
 
 AXES = ("channel", "token")
 CORRECTION_BITS = (2, 3, 4, 8)
@@ -18,6 +18,7 @@ ROTATIONS = ("none", "hadamard")  # quantizer.rotation (see kvplan.kernels.rotat
 RESIDUAL_BITS = (4, 8, FULL_PRECISION_BITS)  # quantizer.residual_bits
 SINK_BITS = (8, FULL_PRECISION_BITS)  # quantizer.sink_bits
 SINK_AXIS = "token"  # a coded sink position: per-token groups of channels along head_dim
+PLAN_BITS = (STREAMED, *SUPPORTED_BITS)  # what a plan's bits may say (0: a streamed KV head)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class QuantizerSettings:
     # of the token's slot codes. Counted as residual bytes, with each copy's position and score
     # (plans.accounting.heavy_tokens)
     heavy_length: int = 0
+    # schema version 8: streamed KV heads (slots at bits 0, ``STREAMED``) keep copies, at the residual's
+    # precision, of their newest ``stream_window`` committed tokens (never a sink position) and attend
+    # to those, the sink positions and the residual only; older tokens are neither stored nor read.
+    # Counted as residual bytes (plans.accounting.stream_tokens)
+    stream_window: int = 0
 
     def __post_init__(self):
         check_choice(self.group_size, "quantizer.group_size", GROUP_SIZES)
@@ -82,6 +88,7 @@ class QuantizerSettings:
         check_int(self.recent_length, "quantizer.recent_length", 0, MAX_TOKENS)
         check_choice(self.sink_bits, "quantizer.sink_bits", SINK_BITS)
         check_int(self.heavy_length, "quantizer.heavy_length", 0, MAX_TOKENS)
+        check_int(self.stream_window, "quantizer.stream_window", 0, MAX_TOKENS)
         object.__setattr__(self, "codebooks", _codebooks(self.codebooks, self))
         if self.key_correction_rank and self.key_axis != "channel":
             raise PlanError("quantizer.key_correction_rank", "needs key_axis 'channel' (the correction code shares "
@@ -204,7 +211,9 @@ class BitRule:
         return self.bits + (CORRECTED if self.correct else 0)
 
     def __post_init__(self):
-        check_choice(self.bits, "bits", SUPPORTED_BITS)
+        check_choice(self.bits, "bits", PLAN_BITS)
+        if self.correct and self.bits == STREAMED:
+            raise PlanError("correct", "a streamed head (bits 0) stores no codes to correct", True)
         if self.kind is not None:
             check_choice(self.kind, "kind", KINDS)
         for name in ("layers", "heads"):

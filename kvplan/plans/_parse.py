@@ -12,12 +12,11 @@ from typing import Mapping
 
 from .._version import __version__
 from ..errors import PlanError
-from ..kernels.qtypes import SUPPORTED_BITS
 from ..models.geometry import LAYER_TYPES, MAX_SLIDING_WINDOW, Geometry
 from ..models.modality import TOKEN_IDS_NAME
-from ._checks import (DEFAULT_MODALITY, KINDS, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS, SCHEMA_VERSION,
+from ._checks import (DEFAULT_MODALITY, KINDS, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS, SCHEMA_VERSION, STREAMED,
                       check_choice, check_int, check_keys, check_list, check_str, is_int, is_num)
-from ._fields import BitRule, Provenance, QuantizerSettings, Reference, check_correction_rank
+from ._fields import PLAN_BITS, BitRule, Provenance, QuantizerSettings, Reference, check_correction_rank
 from ._keybasis import FeedbackMetric, KeyBasis
 from ._rope import parse_rope_inv_freq
 
@@ -35,6 +34,8 @@ _QUANTIZER_V4 = ["recent_length"]
 _QUANTIZER_V5 = ["sink_bits"]
 # ... and schema version 7 (copies of the most-attended committed tokens)
 _QUANTIZER_V7 = ["heavy_length"]
+# ... and schema version 8 (streamed KV heads)
+_QUANTIZER_V8 = ["stream_window"]
 _BPV = ["total", "payload", "scales_zeros", "residual", "correction"]
 
 
@@ -51,9 +52,9 @@ def plan_fields(d) -> dict:
     labelling = check_str(d["labelling"], "labelling") if "labelling" in d else TOKEN_IDS_NAME
     q = d.get("quantizer", {})
     check_keys(q, "quantizer", [], _QUANTIZER + _QUANTIZER_V2 + _QUANTIZER_V3 + _QUANTIZER_V4 + _QUANTIZER_V5
-               + _QUANTIZER_V7)
+               + _QUANTIZER_V7 + _QUANTIZER_V8)
     for needs, keys in ((2, _QUANTIZER_V2), (3, _QUANTIZER_V3), (4, _QUANTIZER_V4), (5, _QUANTIZER_V5),
-                        (7, _QUANTIZER_V7)):
+                        (7, _QUANTIZER_V7), (8, _QUANTIZER_V8)):
         for k in keys:
             if k in q and version < needs:
                 raise PlanError(f"quantizer.{k}", f"needs schema_version {needs} (the file says {version})",
@@ -61,9 +62,13 @@ def plan_fields(d) -> dict:
     quantizer = QuantizerSettings(**q)
     b = d["bits"]
     check_keys(b, "bits", ["default"], ["rules"])
-    default = check_choice(b["default"], "bits.default", SUPPORTED_BITS)
+    default = check_choice(b["default"], "bits.default", PLAN_BITS)
     rules = tuple(_rule(r, f"bits.rules[{i}]")
                   for i, r in enumerate(check_list(b.get("rules", []), "bits.rules", "rules (write [] for none)")))
+    if version < 8:
+        for path, bits in [("bits.default", default)] + [(f"bits.rules[{i}].bits", r.bits) for i, r in enumerate(rules)]:
+            if bits == STREAMED:
+                raise PlanError(path, f"0 (a streamed KV head) needs schema_version 8 (the file says {version})", bits)
     budget = d.get("budget", {})
     check_keys(budget, "budget", [], ["target_bpv", "reference", "bpv"])
     rank = quantizer.key_correction_rank
@@ -106,9 +111,9 @@ def _schema_version(ver) -> int:
     3 (adds ``quantizer.residual_bits``; older files hold their residual at full precision), 4 (adds
     ``quantizer.recent_length``; older files keep no copies of committed tokens), 5 (adds
     ``quantizer.sink_bits``; older files hold their sink positions as written), 6 (adds
-    ``feedback_metric``; older files' codes are rounded to the nearest level) or 7 (adds
-    ``quantizer.heavy_length``; older files keep no copies of heavy hitters). Writers always write
-    the newest version."""
+    ``feedback_metric``; older files' codes are rounded to the nearest level), 7 (adds
+    ``quantizer.heavy_length``; older files keep no copies of heavy hitters) or 8 (adds streamed KV
+    heads: bits 0 and ``quantizer.stream_window``). Writers always write the newest version."""
     if not is_int(ver):
         raise PlanError("schema_version", "must be an integer", ver)
     if ver > SCHEMA_VERSION:
@@ -153,7 +158,7 @@ def _rule(r, path) -> BitRule:
     check_keys(r, path, ["bits"], ["layers", "heads", "kind", "modality", "correct"])
     if "correct" in r and not isinstance(r["correct"], bool):
         raise PlanError(f"{path}.correct", "must be true or false", r["correct"])
-    check_choice(r["bits"], f"{path}.bits", SUPPORTED_BITS)
+    check_choice(r["bits"], f"{path}.bits", PLAN_BITS)
     selectors = {}
     for sel in ("layers", "heads"):
         if sel in r:

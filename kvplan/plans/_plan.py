@@ -18,15 +18,15 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..errors import PlanError
-from ..kernels.qtypes import FULL_PRECISION_BITS, SUPPORTED_BITS
+from ..kernels.qtypes import FULL_PRECISION_BITS
 from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
 from ..models.modality import TOKEN_IDS_NAME
 from . import accounting
-from ._checks import (DEFAULT_MODALITY, KINDS, MAX_DEPTH, MAX_KV_UNITS, MAX_MODALITIES, SCHEMA_VERSION, check_choice,
-                      check_int, check_str, is_num, key_path, split_codes)
+from ._checks import (DEFAULT_MODALITY, KINDS, MAX_DEPTH, MAX_KV_UNITS, MAX_MODALITIES, SCHEMA_VERSION, STREAMED,
+                      check_choice, check_int, check_str, is_num, key_path, split_codes)
 from ._compress import compress, flat_rules
-from ._fields import BitRule, Provenance, QuantizerSettings, Reference, check_correction_rank
+from ._fields import PLAN_BITS, BitRule, Provenance, QuantizerSettings, Reference, check_correction_rank
 from ._files import atomic_write_text, check_size, decode_plan_bytes, read_plan_bytes
 from ._keybasis import FeedbackMetric, KeyBasis
 from ._parse import check_stated_bpv, plan_fields
@@ -195,6 +195,7 @@ class Plan:
                 **({"sink_bits": self.quantizer.sink_bits}
                    if self.quantizer.sink_bits != FULL_PRECISION_BITS else {}),
                 **({"heavy_length": self.quantizer.heavy_length} if self.quantizer.heavy_length else {}),
+                **({"stream_window": self.quantizer.stream_window} if self.quantizer.stream_window else {}),
             },
             "bits": {"default": default, "rules": rules},
             "budget": {
@@ -335,7 +336,7 @@ def _validate_semantics(p: Plan) -> None:
     if DEFAULT_MODALITY not in p.modalities:
         raise PlanError("modalities", f"must include {DEFAULT_MODALITY!r} (generated tokens are text)",
                         list(p.modalities))
-    check_choice(p.default_bits, "bits.default", SUPPORTED_BITS)
+    check_choice(p.default_bits, "bits.default", PLAN_BITS)
     for i, r in enumerate(p.rules):
         path = f"bits.rules[{i}]"
         for name, n in (("layers", g.num_layers), ("heads", g.num_kv_heads)):
@@ -389,6 +390,7 @@ def _validate_semantics(p: Plan) -> None:
         if p.feedback_metric.shape != want:
             raise PlanError("feedback_metric.shape", f"must be {FeedbackMetric.AXES} = {list(want)}",
                             list(p.feedback_metric.shape))
+    _check_streamed(p)
     if p.quantizer.rotation == "hadamard" and not hadamard_fits(g.head_dim):
         raise PlanError("quantizer.rotation", f"'hadamard' needs a power-of-two head_dim; the model's is {g.head_dim}",
                         p.quantizer.rotation)
@@ -401,3 +403,29 @@ def _validate_semantics(p: Plan) -> None:
         check_rope_inv_freq(p.rope_inv_freq, g)
 
 
+
+
+def _check_streamed(p: Plan) -> None:
+    """Streamed KV heads (bits 0): every slot of such a head (K and V, each modality) says 0, only in
+    full-attention layers, with ``quantizer.stream_window`` >= 1 and without heavy-hitter copies."""
+    codes = p.code_table()  # [L, H_kv, 2, M]
+    streamed = codes == STREAMED
+    if not streamed.any():
+        return
+    q = p.quantizer
+    if q.stream_window < 1:
+        raise PlanError("quantizer.stream_window", "must be at least 1: the plan streams KV heads (bits 0)",
+                        q.stream_window)
+    if q.heavy_length:
+        raise PlanError("quantizer.heavy_length", "heavy-hitter copies and streamed KV heads (bits 0) are not "
+                        "supported together", q.heavy_length)
+    per_head = streamed.reshape(*streamed.shape[:2], -1)  # [L, H_kv, 2 * M]
+    partial = per_head.any(-1) & ~per_head.all(-1)
+    if partial.any():
+        layer, head = (int(i) for i in np.argwhere(partial)[0])
+        raise PlanError("bits", f"layer {layer} KV head {head}: bits 0 (a streamed head) must cover its keys and "
+                        "values in every modality", show_value=False)
+    for layer in np.nonzero(per_head.any(axis=(1, 2)))[0]:
+        if p.geometry.layer_types[int(layer)] != "full":
+            raise PlanError("bits", f"layer {int(layer)} is a {p.geometry.layer_types[int(layer)]} layer; only "
+                            "full-attention layers stream KV heads (bits 0)", show_value=False)

@@ -20,6 +20,9 @@ With ``quantizer.heavy_length`` ``n``, each KV head of a full-attention layer ke
 up to ``n`` committed non-sink tokens (:func:`heavy_tokens`; the ones attended most, see
 :mod:`kvplan.runtime.heavy`), counted as residual together with each copy's position and score
 (:data:`HEAVY_META_BYTES`).
+A streamed KV head (its slots at bits 0, :data:`STREAMED`) stores no codes; it keeps such copies of
+its newest ``quantizer.stream_window`` committed non-sink tokens (:func:`stream_tokens`: those the
+recent copies do not hold already), counted as residual.
 
 Attention sinks: the first ``S = quantizer.sink_length`` positions of the sequence are
 stored in every slot alike when they are committed (:func:`stored_runs` splits a run at ``S``):
@@ -44,7 +47,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..kernels.formats import Format
-from ._checks import split_codes
+from ._checks import STREAMED, split_codes
 from ._fields import SINK_AXIS
 
 
@@ -87,6 +90,14 @@ def recent_tokens(committed: int, recent_length: int, sink_length: int, kept_sta
     precision already and a sliding layer's freed positions are gone."""
     lo = max(min(sink_length, committed), kept_start)
     return max(0, min(recent_length, committed - lo))
+
+
+def stream_tokens(committed: int, stream_window: int, recent_length: int, sink_length: int) -> int:
+    """Committed tokens a streamed KV head (bits 0) keeps a copy of besides the recent copies every
+    head keeps: its window is the newest ``stream_window`` committed non-sink tokens, and the newest
+    :func:`recent_tokens` of them are held as recent copies already (full-attention layers only)."""
+    lo = min(sink_length, committed)
+    return max(0, min(stream_window, committed - lo) - recent_tokens(committed, recent_length, sink_length))
 
 
 def _clip_runs(runs, start: int):
@@ -186,8 +197,9 @@ class BpvBreakdown:
     payload: float  # packed codes and 16-bit slots
     scales_zeros: float
     residual: float  # newest tokens not committed yet (full precision, or quantizer.residual_bits), and
-    #                  the copies of the newest committed ones (quantizer.recent_length) and of the
-    #                  heavy hitters (quantizer.heavy_length, with their positions and scores)
+    #                  the copies of the newest committed ones (quantizer.recent_length), of the
+    #                  heavy hitters (quantizer.heavy_length, with their positions and scores) and of
+    #                  the streamed heads' windows (quantizer.stream_window)
     correction: float = 0.0  # key correction codes with their scales and zero-points
 
     def as_dict(self) -> dict[str, float]:
@@ -225,7 +237,7 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
     unknown = sorted({lab for lab, _, _ in committed} - set(plan.modalities))
     if unknown:
         raise ValueError(f"labels {unknown} are not modalities of the plan {list(plan.modalities)}")
-    payload = scales = correction = residual_tokens = heavy_copies = 0
+    payload = scales = correction = residual_tokens = heavy_copies = stream_copies = 0
     all_runs = _split_at_sink(committed, 0, q.sink_length)
     run_cost: dict[tuple, tuple[int, int]] = {}  # (kind, bits, start, length) -> bytes: slots share formats
     for layer in range(geometry.num_layers):
@@ -234,10 +246,15 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
         runs = _clip_runs(all_runs, kept) if kept else all_runs
         residual_tokens += T - max(C, kept) + recent_tokens(C, q.recent_length, q.sink_length, kept)
         heavy_copies += heavy_tokens(C, q.heavy_length, q.sink_length, geometry.window(layer) is not None)
+        n_streamed = int((table[layer, :, 0, 0] == STREAMED).sum())  # (a streamed head's slots all say 0)
+        if n_streamed:
+            stream_copies += n_streamed * stream_tokens(C, q.stream_window, q.recent_length, q.sink_length)
         for head in range(geometry.num_kv_heads):
             for k, kind in enumerate(("k", "v")):
                 for lab, start, length, sink in runs:
                     bits = None if sink else int(table[layer, head, k, plan.modalities.index(lab)])  # None: the sink
+                    if bits == STREAMED:  # no codes; its window copies are counted below
+                        continue
                     key = (kind, bits, start, length)
                     if key not in run_cost:
                         fmt, axis = (q.sink_format, SINK_AXIS) if sink else (q.format(kind, bits), q.axis(kind))
@@ -248,8 +265,8 @@ def _runs_bytes(plan, geometry, T: int, committed: list, batch_size: int, fp_byt
                     if not sink and corrected[layer, head, k, plan.modalities.index(lab)]:
                         correction += correction_bytes(q, start, length)
     token_bytes = q.residual_token_bytes(geometry.head_dim, fp_bytes)
-    residual = ((residual_tokens + heavy_copies) * token_bytes * 2 + heavy_copies * HEAVY_META_BYTES
-                ) * geometry.num_kv_heads
+    residual = (((residual_tokens + heavy_copies) * token_bytes * 2 + heavy_copies * HEAVY_META_BYTES)
+                * geometry.num_kv_heads + stream_copies * token_bytes * 2)
     return {"payload": payload * batch_size, "scales_zeros": scales * batch_size,
             "correction": correction * batch_size, "residual": residual * batch_size}
 

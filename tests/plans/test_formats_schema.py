@@ -296,7 +296,7 @@ def test_heavy_length_round_trips_and_a_version_6_file_with_it_is_refused(tmp_pa
     path = tmp_path / "p.yaml"
     plan.to_yaml(path)
     doc = yaml.safe_load(path.read_text())
-    assert doc["schema_version"] == SCHEMA_VERSION == 7 and doc["quantizer"]["heavy_length"] == 4
+    assert doc["schema_version"] == SCHEMA_VERSION == 8 and doc["quantizer"]["heavy_length"] == 4
     back = Plan.from_yaml(path)
     assert back.quantizer == plan.quantizer and back.bpv() == plan.bpv() and back.bpv().residual > base.bpv().residual
     assert "heavy_length" not in base.to_dict()["quantizer"]  # 0: the default, not written
