@@ -608,7 +608,7 @@ def evaluate(model, plan, prepared: Sequence[PreparedSample], *, expect_quantize
             pool.close()
     else:
         per = []
-        with attention_route(model, attention):
+        with attention_route(model, attention, plan):
             for p in tqdm(prepared, desc=desc or (plan.name or "plan"), disable=not progress, leave=False):
                 per.append(evaluate_plan_sample(model, plan, p, expect, prefix_key))
     for r, p in zip(per, prepared):

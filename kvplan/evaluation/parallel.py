@@ -82,7 +82,7 @@ def _score_share(model, plan, prepared, indices, attention, expect, prefix_key) 
     from ..runtime.load import attention_route
     from .harness import evaluate_plan_sample
 
-    with attention_route(model, attention):
+    with attention_route(model, attention, plan):
         return [evaluate_plan_sample(model, plan, prepared[i], expect, prefix_key) for i in indices]
 
 

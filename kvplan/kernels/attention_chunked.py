@@ -3,7 +3,8 @@
 The CPU default is the native kernel (:mod:`kvplan.kernels.attention_native`), which runs the
 same driver (:func:`packed_attention`) with C loops in place of this module's chunk-sized tensor
 ops; this kernel is the CPU route where no C compiler is present, and a readable second
-implementation of the same algebra.
+implementation of the same algebra. A streamed head's blocks (bits 0) store nothing: their
+positions get no weight.
 
 Same signature as :func:`kvplan.kernels.triton_kernels.packed_decode_attention` and
 :func:`kvplan.kernels.attention_reference.reference_decode_attention`, whose result it
@@ -48,6 +49,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .qtypes import STREAMED
 
 __all__ = ["CHUNK_BYTES", "ChunkedPieces", "chunked_decode_attention", "packed_attention"]
 
@@ -193,6 +196,9 @@ def packed_attention(q, key_blocks, value_blocks, key_residual, value_residual, 
         if not blocks:
             continue
         for h0, h1, a, b, piece in reader.pieces(blocks, B, D):
+            if piece.bits == STREAMED:  # a streamed head's tokens: nothing stored, never attended
+                scores[:, h0:h1, :, pos + a : pos + b] = float("-inf")
+                continue
             reader.key_scores(piece, qg[:, h0:h1], None if q_rot is None else q_rot[:, h0:h1],
                               scores[:, h0:h1, :, pos + a : pos + b])
         pos += blocks[0].length
@@ -218,6 +224,8 @@ def packed_attention(q, key_blocks, value_blocks, key_residual, value_residual, 
         if not blocks:
             continue
         for h0, h1, a, b, piece in reader.pieces(blocks, B, D):
+            if piece.bits == STREAMED:
+                continue
             acc = out
             if piece.rotation is not None:
                 if piece.rotation.inv_freq is not None:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .qtypes import FULL_PRECISION_BITS, channel_group_size, packed_row_bytes, qtype
+from .qtypes import FULL_PRECISION_BITS, STREAMED, channel_group_size, packed_row_bytes, qtype
 
 __all__ = [
     "block_partial_attention",
@@ -788,6 +788,10 @@ class _Source:
         self.length = int(length)
         self.rotation, self.position, self.corr, self.basis = rotation, int(position), corr, basis
         self.has_zero, self.e4m3, self.has_levels = True, False, False
+        if self.bits == STREAMED:  # a streamed head's tokens: nothing stored, no launch reads them
+            self.codes = self.scale = self.zero = self.levels = codes
+            self.channel, self.gs, self.g, self.off = False, 1, 1, 0
+            return
         if self.bits == FULL_PRECISION_BITS:
             self.codes = codes if codes.stride(-1) == 1 else codes.contiguous()
             self.scale = self.zero = self.levels = self.codes  # unused placeholders
@@ -1113,6 +1117,12 @@ def packed_decode_attention(
     rot_slots = []  # (kv heads, first slot, end slot) of launches over values stored times H
     hadamard = None
     for k_src, v_src, heads, tok_base, split, slot_base in plan:
+        if k_src.bits == STREAMED or v_src.bits == STREAMED:  # nothing stored: these splits hold no weight
+            hs, n = [h for h, _, _ in heads], triton.cdiv(k_src.length, split)
+            mo[:, hs, :, slot_base:slot_base + n] = float("-inf")
+            lo[:, hs, :, slot_base:slot_base + n] = 0.0
+            ao[:, hs, :, slot_base:slot_base + n] = 0.0
+            continue
         q_k = q
         if k_src.query_hadamard:
             if q_h is None:

@@ -19,6 +19,12 @@ Heavy-hitter copies (``quantizer.heavy_length``, full-attention layers): copies 
 most-attended committed tokens, chosen by a prompt's last queries (:mod:`kvplan.runtime.heavy`);
 reads of a quantized slot use them instead of the slot codes.
 
+Streamed KV heads (slots at bits 0, ``quantizer.stream_window`` ``W``, DuoAttention's streaming
+heads): their committed tokens store no codes; they keep copies of their newest ``W`` committed
+non-sink tokens in residual form (``KVPlanLayer.stream_copies``, besides the recent copies every head
+keeps; ``plans.accounting.stream_tokens``), and every attention route masks their other committed
+non-sink positions off (:meth:`KVPlanLayer.stream_hidden`).
+
 Sliding-window layers (Gemma 3, Mistral, ...) free the whole token groups that fell out of
 their window (see :class:`KVPlanLayer`), so their bytes follow what the model can still attend
 to; the attention mask gets the kept range from ``get_mask_sizes``.
@@ -27,6 +33,7 @@ to; the attention mask gets the kept range from ``get_mask_sizes``.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -37,10 +44,10 @@ from ..models.geometry import Geometry
 from ..kernels import FULL_PRECISION_BITS
 from ..kernels.feedback import feedback_factors
 from ..kernels.rotation import Rotation, hadamard_matrix
-from ..plans import KINDS, Plan, committed_length, split_codes, stored_runs
+from ..plans import KINDS, STREAMED, Plan, committed_length, split_codes, stored_runs
 from ..plans._fields import SINK_AXIS
-from ..plans.accounting import recent_tokens, sliding_kept_start
-from .fused import MAX_FUSED_QUERY, mark_observed, mark_pending
+from ..plans.accounting import recent_tokens, sliding_kept_start, stream_tokens
+from .fused import MAX_FUSED_QUERY, mark_observed, mark_pending, mark_streamed
 from .heavy import HeavyCopies, window_mass
 from .storage import PackedBlock, Residual, Segment
 
@@ -114,6 +121,10 @@ class KVPlanLayer(CacheLayerMixin):
         self.recent: dict[str, Residual | None] = {"k": None, "v": None}
         # copies of the most-attended committed tokens (quantizer.heavy_length; full layers only)
         self.heavy: HeavyCopies | None = None
+        # streamed KV heads (bits 0): their copies of the committed tokens before the recent copies, up to
+        # quantizer.stream_window in all ([B, n_streamed, n, D]; None: no streamed head)
+        self.streamed: tuple[int, ...] = tuple(h for h in range(table.shape[0]) if table[h, 0, 0] == STREAMED)
+        self.stream_copies: dict[str, Residual] | None = None
         self.residual_labels: list[str] = []
         self.committed = 0
         self.key_basis: torch.Tensor | None = None  # [H_kv, D, r] fp32 when the plan corrects keys
@@ -140,6 +151,10 @@ class KVPlanLayer(CacheLayerMixin):
                        for kind, x in (("k", key_states), ("v", value_states))}
         if q.heavy_length and self.window is None:
             self.heavy = HeavyCopies(q.heavy_length, q.residual_bits, q.group_size)
+        if self.streamed:
+            idx = list(self.streamed)
+            self.stream_copies = {kind: Residual(q.residual_bits, q.group_size, x[:, idx, :0].to(self.dtype))
+                                  for kind, x in (("k", key_states), ("v", value_states))}
         basis = self.owner.plan.key_basis
         # key correction basis of this layer: fp32 [H_kv, D, r] on the cache's device
         self.key_basis = (None if basis is None else
@@ -184,6 +199,9 @@ class KVPlanLayer(CacheLayerMixin):
         first = self._visible_start(start)  # what get_mask_sizes told the mask (``start`` tokens before)
         keys = self._read("k", first)
         values = self._read("v", first)
+        hidden = self.stream_hidden()
+        if hidden is not None:  # kvplan's attention function hides them (positions from ``first``)
+            mark_streamed(keys, self, (hidden[0] - first, hidden[1] - first))
         self._commit()
         if self.heavy is not None and self.heavy.pending:
             mark_observed(keys, self)  # the attention call scores the committed tokens (observe_prompt)
@@ -202,6 +220,26 @@ class KVPlanLayer(CacheLayerMixin):
             scaling = query.shape[-1] ** -0.5
         self.heavy.resolve(window_mass(query, keys, scaling, attention_mask), first=self._visible_start(
             self.get_seq_length()))
+
+    def stream_hidden(self) -> tuple[int, int] | None:
+        """Positions ``[a, b)`` the streamed heads' queries must not attend to now: committed, not a
+        sink position, older than their copies and the recent copies (nothing stored there). ``None``:
+        no streamed head, or nothing hidden yet."""
+        if self.stream_copies is None:
+            return None
+        q = self.owner.plan.quantizer
+        a = min(q.sink_length, self.committed)
+        b = self.committed - self.recent["k"].length - self.stream_copies["k"].length
+        return (a, b) if b > a else None
+
+    def stream_reads(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        """The streamed heads' copies as read, scattered into every KV head: ``[B, H_kv, n, D]`` (zeros in
+        the other heads, which never attend to them)."""
+        store = self.stream_copies[kind]
+        B, _, n, D = store.shape
+        out = torch.zeros(B, self.owner.geometry.num_kv_heads, n, D, dtype=dtype, device=store.device)
+        out[:, list(self.streamed)] = store.read().to(dtype)
+        return out
 
     def heavy_reads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(positions [B, H_kv, m] int64, used [B, H_kv, m] bool)`` of the heavy-hitter copies and
@@ -270,6 +308,7 @@ class KVPlanLayer(CacheLayerMixin):
         self.residual = {"k": None, "v": None}
         self.recent = {"k": None, "v": None}
         self.heavy = None
+        self.stream_copies = None
         self.residual_labels = []
         self.committed = 0
         self.dropped = 0
@@ -302,6 +341,9 @@ class KVPlanLayer(CacheLayerMixin):
                     block.map_tensors(fn)
         if self.heavy is not None:
             self.heavy.map_tensors(fn)
+        if self.stream_copies is not None:
+            for store in self.stream_copies.values():
+                store.map_tensors(fn)
         self._stored_changed()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -346,6 +388,10 @@ class KVPlanLayer(CacheLayerMixin):
         n_rec = self.recent[kind].length
         if n_rec:  # the newest committed tokens read from their copies
             out[:, :, self.committed - base - n_rec : self.committed - base].copy_(self.recent[kind].read())
+        if self.stream_copies is not None and self.stream_copies[kind].length:  # the streamed heads' windows
+            n_win = self.stream_copies[kind].length
+            end = self.committed - base - n_rec
+            out[:, list(self.streamed), end - n_win : end] = self.stream_copies[kind].read().to(out.dtype)
         heavy = self.heavy_reads()
         if heavy is not None:  # the heavy hitters of quantized slots read from their copies
             pos, used = heavy
@@ -408,6 +454,8 @@ class KVPlanLayer(CacheLayerMixin):
         for kind in KINDS:
             self.residual[kind].seal()
             self.recent[kind].seal()
+            if self.stream_copies is not None:
+                self.stream_copies[kind].seal()
 
     def _trim_recent(self) -> None:
         """Keep the copies of the newest ``recent_length`` committed tokens only
@@ -451,9 +499,9 @@ class KVPlanLayer(CacheLayerMixin):
                     fb = self.feedback.get(kind)
                     if fb is not None and len(heads) != fb[0].shape[0]:
                         fb = (fb[0][list(heads)], fb[1][list(heads)])
+                    fmt = None if bits == STREAMED else q.format(kind, bits)
                     blocks.append(PackedBlock.encode(xh, heads, bits, q.axis(kind), q.group_size, start, basis,
-                                                     q.key_correction_bits, self.rotation[kind], range_flag,
-                                                     q.format(kind, bits), fb))
+                                                     q.key_correction_bits, self.rotation[kind], range_flag, fmt, fb))
                 new[kind].append((label, start, length, blocks))
         if range_flag is not None and bool(range_flag.item()):  # host sync (CUDA, once per commit; see above)
             raise ValueError("KV values exceed the fp16 range of the stored scales/zero-points; cannot quantize "
@@ -472,6 +520,8 @@ class KVPlanLayer(CacheLayerMixin):
                     segs[-1].length += length
                 else:
                     segs.append(Segment(label, start, length, blocks))
+            if self.stream_copies is not None:
+                self._push_stream_copies(kind, target)
             if q.recent_length:  # the newest committed tokens keep their residual form (moved)
                 self.recent[kind].push(*self.residual[kind].parts(max(0, n - q.recent_length), n))
             # keep only the uncommitted tail (copied, so the committed tokens' bytes are freed; the
@@ -480,6 +530,26 @@ class KVPlanLayer(CacheLayerMixin):
         del self.residual_labels[:n]
         self.committed = target
         self._trim_recent()
+
+    def _push_stream_copies(self, kind: str, target: int) -> None:
+        """Before tokens ``[committed, target)`` commit: the streamed heads' copies take, in order, the
+        recent copies that will be dropped and the newly committed non-sink tokens that will get no
+        recent copy, then keep their newest ``stream_tokens`` (moved in residual form, never coded
+        again)."""
+        q = self.owner.plan.quantizer
+        c0, n = self.committed, target - self.committed
+        recent_from = target - recent_tokens(target, q.recent_length, q.sink_length, self.dropped)
+        recent = self.recent[kind]
+        idx = list(self.streamed)
+        store = self.stream_copies[kind]
+        leaving = max(0, min(c0, recent_from) - (c0 - recent.length))  # the oldest recent copies
+        if leaving:
+            store.push(*_heads_of(recent.parts(0, leaving), idx))
+        a, b = max(c0, q.sink_length) - c0, min(recent_from, target) - c0
+        if b > a:
+            store.push(*_heads_of(self.residual[kind].parts(a, b), idx))
+        store.drop_oldest(store.length - stream_tokens(target, q.stream_window, q.recent_length, q.sink_length))
+        assert b <= n
 
     def _free_before(self, kept: int) -> None:
         """Free every stored token before position ``kept`` (a group boundary): residual tokens
@@ -521,6 +591,8 @@ class KVPlanLayer(CacheLayerMixin):
             return parts
         for kind in KINDS:
             parts["residual"] += self.residual[kind].nbytes + self.recent[kind].nbytes
+            if self.stream_copies is not None:
+                parts["residual"] += self.stream_copies[kind].nbytes
             for seg in self.segments[kind]:
                 for block in seg.blocks:
                     for k, v in block.nbytes_parts().items():
@@ -649,6 +721,16 @@ class KVPlanCache(Cache):
                 for h in block.heads:
                     out[h].extend([block.bits] * seg.length)
         return out
+
+
+def _heads_of(parts: tuple, idx: list[int]) -> tuple:
+    """``(codes or None, uncoded [B, H_kv, n, D])`` of :meth:`Residual.parts` restricted to the KV heads
+    ``idx`` (copies; the codes' heads renumbered ``0 .. len(idx) - 1``)."""
+    sealed, fresh = parts
+    if sealed is not None:
+        sealed = replace(sealed, heads=tuple(range(len(idx))))
+        sealed.map_tensors(lambda t: t[:, idx])
+    return sealed, fresh[:, idx]
 
 
 def resolve_batch_labels(rows: Sequence[Sequence[str]], attention_mask=None) -> list[str]:

@@ -18,6 +18,11 @@ Heavy-hitter copies (``quantizer.heavy_length``, :mod:`kvplan.runtime.heavy`): a
 (the SDPA branch) scores the tokens it committed through :meth:`KVPlanLayer.observe_prompt`; a
 decode step reads the copies as extra dense tokens after the residual, with their packed positions
 masked out (:func:`_with_heavy_copies`), which the kernels take as they take any mask.
+
+Streamed KV heads (bits 0): a decode step reads their copies as extra dense tokens after the
+residual and masks their committed positions without codes (:func:`_with_stream_copies`); on the
+dequantize route the cache marks the keys it returns and this function runs SDPA with those
+positions masked for the streamed heads' query heads.
 """
 
 from __future__ import annotations
@@ -43,6 +48,61 @@ def mark_pending(key_residual: torch.Tensor, layer) -> None:
 
 def mark_observed(keys: torch.Tensor, layer) -> None:
     _OBSERVED[id(keys)] = layer
+
+
+# keys returned by a dequantize-route update of a layer with streamed heads -> (layer, [a, b) hidden)
+_STREAMED: dict[int, tuple] = {}
+
+
+def mark_streamed(keys: torch.Tensor, layer, hidden: tuple[int, int]) -> None:
+    if len(_STREAMED) > 4096:  # marks no attention call consumed (a cache used without kvplan's attention)
+        for k in [k for k, entry in _STREAMED.items() if entry[0]() is None]:
+            del _STREAMED[k]
+    _STREAMED[id(keys)] = (weakref.ref(keys), layer, hidden)
+
+
+def _streamed_of(key: torch.Tensor):
+    """``(layer, (a, b))`` marked for these keys (the tensor itself, not a reused id), or None."""
+    entry = _STREAMED.pop(id(key), None)
+    if entry is None or entry[0]() is not key:
+        return None
+    return entry[1], entry[2]
+
+
+def _hide(layer, mask, B: int, Hq: int, Tq: int, T: int, a: int, b: int, device):
+    """``mask`` (``None``, bool True = attend, or additive ``[B or 1, 1 or Hq, Tq, T]``) as a bool ``[B, Hq,
+    Tq, T]`` with positions ``[a, b)`` hidden from the query heads of the layer's streamed KV heads."""
+    if mask is None:
+        out = torch.ones(Tq, T, dtype=torch.bool, device=device).tril(T - Tq)  # causal, newest Tq queries
+        out = out.expand(B, Hq, Tq, T).clone()
+    elif mask.dtype == torch.bool:
+        out = mask.expand(B, Hq, Tq, T).clone()
+    else:
+        out = (mask > float("-inf")).expand(B, Hq, Tq, T).clone()
+    rep = Hq // layer.owner.geometry.num_kv_heads
+    for h in layer.streamed:
+        out[:, h * rep : (h + 1) * rep, :, a:b] = False
+    return out
+
+
+def _with_stream_copies(layer, query, key, value, mask):
+    """The fused kernels' dense tail and mask with the layer's streamed heads: their copies
+    (:meth:`KVPlanLayer.stream_reads`, zeros in the other heads) appended after the tail ``key`` /
+    ``value [B, H_kv, T_r, D]``, visible to the streamed heads' query heads only, and their committed
+    positions without stored codes (:meth:`KVPlanLayer.stream_hidden`) masked off."""
+    if layer.stream_copies is None:
+        return key, value, mask
+    B, Hq, Tq = query.shape[0], query.shape[1], query.shape[2]
+    T = sum(blocks[0].length for blocks in layer.packed_segments("k") if blocks) + key.shape[2]
+    hidden = layer.stream_hidden() or (0, 0)
+    m = layer.stream_copies["k"].length
+    ext = _hide(layer, mask, B, Hq, Tq, T, hidden[0] - layer.dropped, hidden[1] - layer.dropped, key.device)
+    tail = torch.zeros(B, Hq, Tq, m, dtype=torch.bool, device=key.device)
+    rep = Hq // layer.owner.geometry.num_kv_heads
+    for h in layer.streamed:
+        tail[:, h * rep : (h + 1) * rep] = True
+    return (torch.cat([key, layer.stream_reads("k", key.dtype)], dim=2),
+            torch.cat([value, layer.stream_reads("v", value.dtype)], dim=2), torch.cat([ext, tail], dim=-1))
 
 
 def _with_heavy_copies(layer, query, key, value, mask):
@@ -86,6 +146,12 @@ def kvplan_packed_attention(module, query, key, value, attention_mask, scaling=N
 
     layer = _PENDING.pop(id(key), None)
     if layer is None:
+        streamed = _streamed_of(key)
+        if streamed is not None:  # the dequantize route: hide what the streamed heads do not store
+            s_layer, (a, b) = streamed
+            B, Hq, Tq = query.shape[:3]
+            attention_mask = _hide(s_layer, attention_mask, B, Hq, Tq, key.shape[2], a, b, key.device)
+            kwargs["is_causal"] = False
         out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                      **kwargs)
         observer = _OBSERVED.pop(id(key), None)
@@ -98,6 +164,7 @@ def kvplan_packed_attention(module, query, key, value, attention_mask, scaling=N
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(torch.float32)
     key, value, mask = _with_heavy_copies(layer, query, key, value, mask)
+    key, value, mask = _with_stream_copies(layer, query, key, value, mask)
     out = layer.owner.attention_kernel(query, key_blocks, value_blocks, key, value, mask, scaling)
     layer._commit()
     if layer.heavy is not None:

@@ -12,7 +12,7 @@ from ..errors import PlanError
 from ..models.geometry import Geometry
 from ..models.modality import Labelling, resolve_labelling
 from ..models.rope import rope_inv_freq
-from ..plans import BASELINES, Plan, baseline_plan
+from ..plans import BASELINES, STREAMED, Plan, baseline_plan
 from .cache import KVPlanCache
 
 
@@ -163,7 +163,9 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
     unload(model)
     # heavy-hitter copies are chosen by a prompt's attention: kvplan's attention function scores them
     # on every route (on the dequantize route it is SDPA over the dequantized cache)
-    _install_attention(model, kernel, observe=resolved.quantizer.heavy_length > 0)
+    # heavy-hitter copies are chosen by a prompt's attention, and streamed KV heads mask what they do not
+    # store: kvplan's attention function runs on the dequantize route too
+    _install_attention(model, kernel, observe=resolved.quantizer.heavy_length > 0 or streams(resolved))
     original = model.generate
 
     @functools.wraps(original)
@@ -214,21 +216,29 @@ def _remove_attention(model) -> None:
 
 
 @contextlib.contextmanager
-def attention_route(model, attention: str = "auto"):
+def streams(plan: Plan) -> bool:
+    """Whether ``plan`` streams KV heads (slots at bits 0): every attention route, the dequantize one
+    included, then runs kvplan's attention function, which masks what those heads do not store."""
+    return bool((plan.code_table() == STREAMED).any())
+
+
+def attention_route(model, attention: str = "auto", plan: Plan | None = None):
     """Inside the block, ``model`` attends as ``kvplan.load(model, plan, attention=attention)``
     makes it attend (caches from :func:`make_cache` pick the same kernel): how the search's
     scorers measure plans on the deployed route. A model already under ``kvplan.load`` keeps
-    the route ``load`` chose. Restores the model's attention afterwards."""
+    the route ``load`` chose. ``plan``: the plan scored (a plan with streamed KV heads needs kvplan's
+    attention function on the dequantize route as well). Restores the model's attention afterwards."""
     if getattr(model, "kvplan_plan", None) is not None:
         yield model
         return
     kernel = _attention_kernel(model, attention)
     saved = {k: model.__dict__[k] for k in ("_kvplan_attention_kernel", "_kvplan_previous_attention")
              if k in model.__dict__}
-    _install_attention(model, kernel)
+    observe = plan is not None and streams(plan)
+    _install_attention(model, kernel, observe=observe)
     try:
         yield model
     finally:
-        if kernel is not None:
+        if kernel is not None or observe:
             _remove_attention(model)
         model.__dict__.update(saved)

@@ -38,6 +38,7 @@ from ..kernels import quantize as _quantize
 from ..kernels.feedback import quantize_with_feedback
 from ..kernels.formats import Format
 from ..kernels.rotation import Rotation
+from ..plans import STREAMED
 
 
 @dataclass
@@ -49,7 +50,9 @@ class PackedBlock:
     block's slot format ``fmt`` (:mod:`kvplan.kernels.formats`; ``None`` = the v1 format: fp16
     scale and zero, uniform codes); ``zero`` is ``None`` for a symmetric format.
     Full precision (``bits == 16``): ``codes`` is the tensor ``[B, h, T, D]`` itself
-    (in the cache's storage dtype); ``scale`` and ``zero`` are ``None``.
+    (in the cache's storage dtype); ``scale`` and ``zero`` are ``None``. A streamed head's tokens
+    (``bits == 0``, ``plans.STREAMED``): ``codes`` is an empty ``[B, h, T, 0]``; nothing is stored and
+    every attention route masks those positions off (reads decode zeros).
     With a key correction, ``correction`` is the code block ``[B, h, T, r]`` and ``basis``
     the fp32 ``[h, D, r]`` it is read through (see the module docstring).
     """
@@ -90,6 +93,9 @@ class PackedBlock:
         codes are chosen by error feedback (same scales and bytes; None: nearest level).
         """
         T, D = x.shape[-2], x.shape[-1]
+        if bits == STREAMED:  # a streamed head's tokens: nothing stored (reads are masked off)
+            return cls(tuple(heads), bits, axis, group_size, 0, T, D,
+                       x.new_empty((*x.shape[:2], T, 0), dtype=torch.uint8), position=start)
         offset = start % group_size if axis == "channel" else 0
         if bits == FULL_PRECISION_BITS:
             return cls(tuple(heads), bits, axis, group_size, 0, T, D, x.contiguous(), position=start)
@@ -126,7 +132,9 @@ class PackedBlock:
         return torch.matmul(self.correction.decode(torch.float32), self.basis.transpose(-1, -2))
 
     def decode(self, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantized tokens ``[B, h, T, D]`` in ``dtype``."""
+        """Dequantized tokens ``[B, h, T, D]`` in ``dtype`` (zeros for a streamed head's: never attended)."""
+        if self.bits == STREAMED:
+            return self.codes.new_zeros((*self.codes.shape[:3], self.head_dim), dtype=dtype)
         if self.bits == FULL_PRECISION_BITS:
             return self.codes.to(dtype)
         if self.correction is None:
@@ -137,6 +145,8 @@ class PackedBlock:
         """The stored codes dequantized as stored, into ``out [B, h, T, D]``: in the rotated frame
         when ``rotation`` is set and without the key correction (what the decode-attention
         kernels read; they apply the rest on the query / output side or per tile)."""
+        if self.bits == STREAMED:
+            return out.zero_()
         if self.bits == FULL_PRECISION_BITS:
             return out.copy_(self.codes)
         return _dequantize_into(out, self.codes, self.scale, self.zero, self.bits, self.group_size, self.axis,
@@ -144,6 +154,8 @@ class PackedBlock:
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
         """Write the dequantized tokens into ``out [B, h, T, D]`` (a view into a read buffer)."""
+        if self.bits == STREAMED:
+            return out.zero_()
         if self.bits == FULL_PRECISION_BITS:
             return out.copy_(self.codes)
         if self.rotation is not None or (self.correction is not None and out.dtype != torch.float32):
@@ -185,7 +197,7 @@ class PackedBlock:
             return self
         codes = self.codes[:, :, a:b]
         position = self.position + a
-        if self.bits == FULL_PRECISION_BITS:
+        if self.bits in (FULL_PRECISION_BITS, STREAMED):
             return replace(self, codes=codes, length=b - a, position=position)
         if self.correction is not None:
             return replace(replace(self, correction=None).token_range(a, b),
