@@ -1,0 +1,140 @@
+"""Streamed KV heads (slots at bits 0, quantizer.stream_window): no codes; the head attends to the
+sink positions, copies of its newest committed tokens and the residual only."""
+
+import numpy as np
+import pytest
+import torch
+
+import kvplan
+from kvplan import Geometry, KVPlanCache, uniform_plan
+from kvplan.plans import STREAMED, committed_length, recent_tokens, stream_tokens
+from kvplan.runtime.load import make_cache
+from tests.runtime.routes import KERNELS, generate_like_dequantize, prefill_then_decode, with_quantizer
+from tests.tiny_models import tiny_llama
+
+GEOM = Geometry(2, 2, 64, ("full", "full"), "llama")
+
+
+def streamed(plan, heads):
+    """``plan`` with the KV heads ``heads`` ([(layer, head)]) streamed."""
+    table = plan.code_table().copy()
+    for layer, head in heads:
+        table[layer, head] = STREAMED
+    return plan.with_table(table)
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("window, recent", [(5, 3), (2, 3), (40, 0)])
+def test_bytes_equal_the_plan_at_every_length(bits, window, recent):
+    """Prefill then token by token: the cache holds exactly plan.bpv(T) (fp32 storage) after every step,
+    and each streamed head as many copies as stream_tokens says (windows shorter and longer than the
+    recent copies, and none of them)."""
+    base = with_quantizer(uniform_plan(GEOM, 2, group_size=32, residual_length=8, sink_length=1),
+                          residual_bits=bits, recent_length=recent, stream_window=window)
+    plan = streamed(base, [(0, 1), (1, 0)])
+    cache = KVPlanCache(plan, GEOM)
+    for T in prefill_then_decode(cache, 70):
+        assert cache.bpv() == plan.bpv(context_len=T, full_precision_bits=32).total, (bits, T)
+        layer = cache.layers[0]
+        assert layer.stream_copies["k"].length == stream_tokens(layer.committed, window, recent, 1), T
+    if window < 10:  # a few copies cost less than the 2-bit codes they replace (40 fp32 ones do not)
+        assert plan.bpv(context_len=T).total < base.bpv(context_len=T).total
+
+
+def _masked_reference(model, ids, n_history: int, hidden: tuple[int, int], heads):
+    """Logits of ``ids[n_history:]`` after the full-precision history, with positions ``[a, b)`` hidden
+    from the query heads of the streamed KV ``heads`` [(layer, head)]: SDPA with a per-head mask."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def masked(module, query, key, value, attention_mask, **kwargs):
+        B, Hq, Tq, _ = query.shape
+        T = key.shape[2]
+        allowed = torch.ones(Tq, T, dtype=torch.bool).tril(T - Tq).expand(B, Hq, Tq, T).clone()
+        rep = Hq // key.shape[1]
+        if Tq < T:  # the continuation
+            for layer, head in heads:
+                if layer == module.layer_idx:
+                    allowed[:, head * rep:(head + 1) * rep, :, hidden[0]:hidden[1]] = False
+        kwargs["is_causal"] = False
+        return sdpa_attention_forward(module, query, key, value, allowed, **kwargs)
+
+    AttentionInterface.register("test_streamed_reference", masked)
+    AttentionMaskInterface.register("test_streamed_reference", sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("test_streamed_reference")
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids[:, :n_history], use_cache=True)
+            return model(input_ids=ids[:, n_history:], cache=out.past_key_values).logits
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@pytest.mark.parametrize("attention", ["dequantize"] + KERNELS)
+def test_a_streamed_head_attends_to_the_sink_its_window_and_the_residual_only(attention):
+    """Every other slot at 16 bits and the residual as written: the continuation's logits on each route
+    are those of full-precision attention with the streamed heads' older committed positions masked."""
+    model = tiny_llama(head_dim=64)
+    heads = [(0, 1), (1, 0)]
+    window, recent, sink = 6, 2, 1
+    plan = with_quantizer(uniform_plan(GEOM, 16, group_size=32, residual_length=0, sink_length=sink),
+                          recent_length=recent, stream_window=window)
+    plan = streamed(plan, heads)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 256, (1, 76), generator=g)
+    n_history = 70
+    C = committed_length(n_history, 0, 32)  # 64 committed, 6 in the residual
+    kept = recent_tokens(C, recent, sink) + stream_tokens(C, window, recent, sink)
+    hidden = (sink, C - kept)
+    assert hidden == (1, 58)
+    kvplan.load(model, plan, attention=attention)
+    try:
+        with torch.no_grad():
+            cache = make_cache(model, plan, ids[:, :n_history])
+            model(input_ids=ids[:, :n_history], cache=cache)
+            assert cache.layers[0].stream_hidden() == hidden
+            got = model(input_ids=ids[:, n_history:], cache=cache).logits
+    finally:
+        kvplan.unload(model)
+    want = _masked_reference(model, ids, n_history, hidden, heads)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    # the mask matters: without it the logits differ
+    unmasked = _masked_reference(model, ids, n_history, (0, 0), heads)
+    assert (unmasked - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+def test_generation_matches_the_dequantize_route(attention):
+    """A 2-bit plan with streamed heads: greedy generation through several commits (prefill 48, 40 new
+    tokens, groups of 32) gives the same tokens and scores on every fused kernel as on the dequantize
+    route, a batch of two."""
+    model = tiny_llama(head_dim=16)
+    g = Geometry(2, 2, 16, ("full", "full"), "llama")
+    plan = with_quantizer(uniform_plan(g, 2, group_size=32, residual_length=0, sink_length=1),
+                          residual_bits=8, recent_length=2, stream_window=8)
+    generate_like_dequantize(model, streamed(plan, [(0, 0), (1, 1)]), attention)
+
+
+def test_plan_checks():
+    """Bits 0 must cover a head's keys and values in every modality, in a full-attention layer, with a
+    stream window and without heavy-hitter copies; a version-7 file may not say it."""
+    plan = with_quantizer(uniform_plan(GEOM, 2, group_size=32), stream_window=4)
+    table = plan.code_table().copy()
+    table[0, 1, 0] = STREAMED
+    with pytest.raises(kvplan.PlanError, match="layer 0 KV head 1: bits 0"):
+        plan.with_table(table)
+    with pytest.raises(kvplan.PlanError, match="quantizer.stream_window"):
+        streamed(with_quantizer(plan, stream_window=0), [(0, 1)])
+    with pytest.raises(kvplan.PlanError, match="heavy_length"):
+        streamed(with_quantizer(plan, heavy_length=2), [(0, 1)])
+    hybrid = Geometry(2, 2, 64, ("full", "sliding"), "llama", 48)
+    with pytest.raises(kvplan.PlanError, match="layer 1 is a sliding layer"):
+        streamed(with_quantizer(uniform_plan(hybrid, 2, group_size=32), stream_window=4), [(1, 0)])
+    ok = streamed(plan, [(1, 1)])
+    again = kvplan.Plan.from_yaml(ok.to_yaml())
+    assert np.array_equal(again.code_table(), ok.code_table()) and again.quantizer.stream_window == 4
+    v7 = ok.to_yaml().replace("schema_version: 8", "schema_version: 7")
+    with pytest.raises(kvplan.PlanError, match="needs schema_version 8"):
+        kvplan.Plan.from_yaml(v7)
