@@ -76,6 +76,10 @@ def _header(rep: dict, L: list[str]) -> None:
         L.append(f"heavy-hitter copies: each KV head of a full-attention layer also keeps its {q['heavy_length']} "
                  "committed tokens a prompt's last queries attend to most in their residual form, read instead of "
                  "their slot codes (counted as residual bytes, with their positions and scores)")
+    if q.get("stream_window"):
+        L.append(f"streamed KV heads (the slots at 0 bits): no codes; each attends to the sink tokens, copies of its "
+                 f"{q['stream_window']} newest committed tokens in their residual form and the uncommitted tokens, "
+                 "never to older ones (the copies counted as residual bytes)")
     if rep.get("error_feedback"):
         L.append("error feedback: slot codes are chosen coordinate by coordinate, each rounding error pushed onto "
                  "the coordinates not yet coded under the plan's per-head metrics (queries for keys, the output "
