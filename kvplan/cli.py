@@ -95,6 +95,7 @@ def _cmd_search(args) -> int:
     extra["residual_bits"] = args.residual_bits
     extra["sink_bits"] = args.sink_bits
     extra["heavy_length"] = args.heavy_length
+    extra["stream_window"] = args.stream_window
     if args.no_error_feedback:
         extra["error_feedback"] = False
     result = search(model=args.model, budget=budgets, granularity=args.granularity, n_trials=args.trials,
@@ -212,7 +213,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from .search.space import (DEFAULT_FORMATS, DEFAULT_HEAVY_LENGTH, DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS,
-                               DEFAULT_SINK_BITS, DEFAULT_TRIALS)
+                               DEFAULT_SINK_BITS, DEFAULT_TRIALS, DEFAULT_STREAM_WINDOW)
     from ._version import __version__
 
     p = _Parser(prog="kvplan", description="Find, explain and deploy mixed-precision KV-cache plans.")
@@ -306,6 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="heavy-hitter copies per KV head of every plan: the N committed tokens a prompt's last 32 "
                         "queries attend to most keep a residual-precision copy that reads use (paid in bpv; "
                         f"default {DEFAULT_HEAVY_LENGTH})")
+    s.add_argument("--stream-window", type=_non_negative, default=DEFAULT_STREAM_WINDOW, metavar="W",
+                   help="let the search stream KV heads (no codes: the head attends to the sink, copies of its W "
+                        "newest committed tokens and the uncommitted ones); the profile measures each head streamed "
+                        "alone and the damage model picks them before the search (slot granularity; default "
+                        f"{DEFAULT_STREAM_WINDOW}: off)")
     s.add_argument("--no-error-feedback", action="store_true",
                    help="round slot codes to the nearest level (default: codes chosen by error feedback under "
                         "metrics learned from the calibration queries and the output projections; same bytes)")

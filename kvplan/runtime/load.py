@@ -215,13 +215,13 @@ def _remove_attention(model) -> None:
         set_text_attention(model, previous)
 
 
-@contextlib.contextmanager
 def streams(plan: Plan) -> bool:
     """Whether ``plan`` streams KV heads (slots at bits 0): every attention route, the dequantize one
     included, then runs kvplan's attention function, which masks what those heads do not store."""
     return bool((plan.code_table() == STREAMED).any())
 
 
+@contextlib.contextmanager
 def attention_route(model, attention: str = "auto", plan: Plan | None = None):
     """Inside the block, ``model`` attends as ``kvplan.load(model, plan, attention=attention)``
     makes it attend (caches from :func:`make_cache` pick the same kernel): how the search's

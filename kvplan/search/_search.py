@@ -88,9 +88,10 @@ from .budget import (
 from .feedback_metric import feedback_metric, output_projections
 from .key_basis import basis_of_moments, query_second_moments
 from .sensitivity import DEFAULT_HEAD_UNITS, correction_factor, recent_factor, run_profile, slot_sensitivity
+from .streaming import choose_streamed, run_streaming_profile
 from .space import (DEFAULT_BITS, DEFAULT_FORMATS, DEFAULT_GROUP_SIZES, DEFAULT_HEAVY_LENGTH, DEFAULT_KEY_AXES,
                     DEFAULT_KEY_CORRECTION_RANK, DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS,
-                    DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS, DEFAULT_SINK_LENGTHS, DEFAULT_TRIALS, SearchSpace)
+                    DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS, DEFAULT_SINK_LENGTHS, DEFAULT_TRIALS, SearchSpace, DEFAULT_STREAM_WINDOW)
 from ..errors import describe
 from ..plans._files import sidecar_paths, write_file_set  # noqa: F401 -- sidecar_paths is public here
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
@@ -635,6 +636,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            key_scaling: str | None = None, value_scaling: str | None = None, codebooks: Sequence[str] | None = None,
            residual_bits: int = DEFAULT_RESIDUAL_BITS, recent_lengths: Sequence[int] = DEFAULT_RECENT_LENGTHS,
            sink_bits: int = DEFAULT_SINK_BITS, heavy_length: int = DEFAULT_HEAVY_LENGTH,
+           stream_window: int = DEFAULT_STREAM_WINDOW,
            error_feedback: bool | None = None, pareto: bool = False,
            profile: bool | Mapping[str, float] = True,
            profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
@@ -685,6 +687,11 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     ``heavy_length``: heavy-hitter copies every searched plan keeps per KV head (``quantizer.heavy_length``:
     the committed tokens a prompt's last queries attend to most keep a residual-precision copy that reads
     use; paid in bpv, so the search lowers slot bits to fit them; default ``DEFAULT_HEAVY_LENGTH``).
+    ``stream_window``: ``W > 0`` lets the search stream KV heads (plans' bits 0: no codes, the head attends
+    to the sink, copies of its newest ``W`` committed tokens and the residual; :mod:`.streaming`): the
+    profile also measures each full-attention head streamed alone, the damage model chooses the streamed
+    heads at the budget before the search, and the search allocates the other slots (default
+    ``DEFAULT_STREAM_WINDOW``: 0, off).
     ``error_feedback``: every searched plan carries a ``feedback_metric`` (learned from the same
     calibration queries and the model's output projections, :mod:`.feedback_metric`) and its slot
     codes are chosen by error feedback (:mod:`kvplan.kernels.feedback`: same formats and bytes);
@@ -781,13 +788,21 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     value_scaling = DEFAULT_FORMATS["value_scaling"] if value_scaling is None else value_scaling
     codebooks = tuple(DEFAULT_FORMATS["codebooks"] if codebooks is None else codebooks)
 
-    def make_space(key_basis, feedback_metric=None):
+    if stream_window and granularity != "slot":
+        raise KVPlanError(f"stream_window: streamed heads are chosen per KV head, which needs granularity 'slot' "
+                          f"(got {granularity!r})")
+    if stream_window and heavy_length:
+        raise KVPlanError("stream_window and heavy_length: streamed KV heads and heavy-hitter copies are not "
+                          "supported together")
+
+    def make_space(key_basis, feedback_metric=None, streamed=()):
         return SearchSpace(geometry, modalities, granularity, bits, group_sizes, residual_lengths, key_axes,
                            sink_lengths=sink_lengths, key_basis=key_basis, key_correction_bits=key_correction_bits,
                            rotation=rotation, rope_inv_freq=inv_freq if key_pre_rope else None,
                            key_scaling=key_scaling, value_scaling=value_scaling, codebooks=codebooks,
                            labelling=labelling_name, residual_bits=residual_bits, recent_lengths=recent_lengths,
-                           sink_bits=sink_bits, feedback_metric=feedback_metric, heavy_length=heavy_length)
+                           sink_bits=sink_bits, feedback_metric=feedback_metric, heavy_length=heavy_length,
+                           streamed_heads=streamed, stream_window=stream_window if streamed else 0)
 
     BpvModel(make_space(None), reference).check_budget(min(budgets))  # before any study or basis work
     data_hash = getattr(scorer, "data_hash", None)
@@ -832,6 +847,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                   **({"residual_bits": residual_bits} if residual_bits != FULL_PRECISION_BITS else {}),
                   **({"sink_bits": sink_bits} if sink_bits != FULL_PRECISION_BITS else {}),
                   **({"heavy_length": heavy_length} if heavy_length else {}),
+                  **({"stream_window": stream_window} if stream_window else {}),
                   **({"error_feedback": True} if error_feedback else {}),
                   **({"recent_lengths": sorted(set(recent_lengths))} if tuple(recent_lengths) != (0,) else {})}})
     _check_identity(study, identity, study_name, label)
@@ -850,7 +866,7 @@ def locals_for_run(ns: dict) -> dict:
             "scorer", "validation_scorer", "test_scorer", "reference", "budgets", "multi", "granularity",
             "key_correction_rank", "profile", "profile_head_units", "progress", "seed", "sampler_seed", "n_trials",
             "surrogate", "n_candidates", "n_local", "top_k", "n_startup", "kappa", "surrogate_offset", "baselines",
-            "final_candidates", "out", "finalize", "geometry", "t_start", "error_feedback")
+            "final_candidates", "out", "finalize", "geometry", "t_start", "error_feedback", "stream_window")
     return {k: ns[k] for k in keys}
 
 
@@ -876,7 +892,7 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
                validation_scorer, test_scorer, reference, budgets, multi, granularity, key_correction_rank, profile,
                profile_head_units, progress, seed, sampler_seed, n_trials, surrogate, n_candidates, n_local, top_k,
                n_startup, kappa, surrogate_offset, baselines, final_candidates, out, finalize, geometry,
-               t_start, error_feedback) -> SearchResult:
+               t_start, error_feedback, stream_window) -> SearchResult:
     import sys
 
     def say(msg: str) -> None:
@@ -936,6 +952,18 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
                     bar.close()
             n_profile_evals = len(prof)
             study.set_user_attr("kvplan.profile_by", owner)
+        streamed = []
+        if stream_window and prof is not None:
+            if not any(".stream.h" in k for k in prof):
+                say("streaming profile: each full-attention KV head streamed alone")
+                stream = run_streaming_profile(getattr(scorer, "score_profile_plan", scorer), space, reference,
+                                               stream_window)
+                n_profile_evals += len(stream)
+                prof = {**prof, **stream}
+            streamed = choose_streamed(space, reference, prof, stream_window, min(budgets))
+            say(f"streamed KV heads (window {stream_window}): {len(streamed)} of "
+                f"{sum(t == 'full' for t in geometry.layer_types) * geometry.num_kv_heads}")
+        study.set_user_attr("kvplan.streamed", [list(x) for x in streamed])
         study.set_user_attr("kvplan.profile", prof)
         study.set_user_attr("kvplan.ready", {"by": owner})
 
@@ -951,7 +979,8 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
     attrs = study.user_attrs
     basis_attr, metric_attr = attrs.get("kvplan.key_basis"), attrs.get("kvplan.feedback_metric")
     space = make_space(decode_array(basis_attr) if basis_attr else None,
-                       decode_array(metric_attr) if metric_attr else None)
+                       decode_array(metric_attr) if metric_attr else None,
+                       [tuple(x) for x in attrs.get("kvplan.streamed") or []])
     bmodel = BpvModel(space, reference)
     for b in budgets:
         bmodel.check_budget(b)

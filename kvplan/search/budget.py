@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import KVPlanError
-from ..kernels.qtypes import FULL_PRECISION_BITS
+from ..kernels.qtypes import FULL_PRECISION_BITS, STREAMED
 from ..plans import QuantizerSettings, Reference, committed_length, split_codes, stored_runs
 from ..plans.accounting import (HEAVY_META_BYTES, _clip_runs, correction_bytes, heavy_tokens, recent_tokens, run_bytes,
-                                sliding_kept_start, stored_tokens)
+                                sliding_kept_start, stored_tokens, stream_tokens)
 from .space import Q_FIELDS, SearchSpace
 
 EPS = 1e-9
@@ -62,11 +62,13 @@ DEFAULT_CORRECTION_FACTOR = 0.4
 def quantization_damage(codes, bmin: int, correction_factor: float = DEFAULT_CORRECTION_FACTOR) -> np.ndarray:
     """Relative damage prior of storing at ``codes`` (bits, or bits + ``CORRECTED``) vs ``bmin``
     bits: squared step size ratio ``((2^bmin - 1) / (2^bits - 1))^2``, times ``correction_factor``
-    for corrected key slots, and 0 at full precision (16)."""
+    for corrected key slots, and 0 at full precision (16) and for a streamed head's slots (bits 0: fixed
+    before the search, the same in every plan of a space, so a constant the prior leaves out)."""
     b, corrected = split_codes(np.asarray(codes, dtype=np.int64))
     b = b.astype(np.float64)
-    out = ((2.0 ** bmin - 1) / (2.0 ** b - 1)) ** 2 * np.where(corrected, correction_factor, 1.0)
-    return np.where(b >= FULL_PRECISION_BITS, 0.0, out)
+    with np.errstate(divide="ignore"):
+        out = ((2.0 ** bmin - 1) / (2.0 ** b - 1)) ** 2 * np.where(corrected, correction_factor, 1.0)
+    return np.where((b >= FULL_PRECISION_BITS) | (b == STREAMED), 0.0, out)
 
 
 @dataclass
@@ -117,6 +119,10 @@ class BpvModel:
                 for m, mod in enumerate(self.space.modalities):
                     for ci, code in enumerate(codes):
                         bits, corrected = split_codes(code)
+                        if bits == STREAMED:  # no codes: the head's window copies (counted in one modality)
+                            copies = stream_tokens(C, q.stream_window, q.recent_length, q.sink_length) if m == 0 else 0
+                            per[k, m, ci] = 8.0 * copies * q.residual_token_bytes(g.head_dim, fp_bytes) / n_values
+                            continue
                         tot = 0
                         for lab, start, length, sink in runs:
                             if lab == mod and not sink:  # sink positions are a constant (see _build)

@@ -30,7 +30,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, IntD
 
 from ..errors import KVPlanError
 from ..kernels.formats import default_codebook
-from ..kernels.qtypes import FULL_PRECISION_BITS, GROUP_SIZES, SUPPORTED_BITS
+from ..kernels.qtypes import FULL_PRECISION_BITS, GROUP_SIZES, STREAMED, SUPPORTED_BITS
 from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
 from ..models.modality import TOKEN_IDS_NAME
@@ -65,6 +65,10 @@ DEFAULT_SINK_BITS = 8
 # copies helped the default model's search (0.0186 vs 0.0198) and hurt Gemma-3-270M's (0.0458 vs 0.0403;
 # bench/search.md)
 DEFAULT_HEAVY_LENGTH = 0
+# committed tokens a streamed KV head keeps (plans' bits 0; kvplan.search.streaming), off: on the validation split
+# the damage model's optimum with 22 heads streamed at a window of 16 read 0.0162 KL against 0.0198 for the
+# recorded plan (bench/results/streaming_heads/); not the default until a whole search with it is measured
+DEFAULT_STREAM_WINDOW = 0
 # rank of the HeadQ-style key correction the search offers for key slots at the lowest bits (0 = off);
 # chosen on the validation split: the default search at 2.5 bpv reached validation KL 0.0679 with rank 2
 # vs 0.0776 with rank 0 (bench/results/key_correction_rank/; ranks 1 and 4 not re-run on validation)
@@ -113,7 +117,8 @@ class SearchSpace:
                  value_scaling: str = "minmax-fp16", codebooks: Sequence[str] = (),
                  labelling: str = TOKEN_IDS_NAME, residual_bits: int = FULL_PRECISION_BITS,
                  recent_lengths: Sequence[int] = (0,), sink_bits: int = FULL_PRECISION_BITS,
-                 feedback_metric=None, heavy_length: int = 0):
+                 feedback_metric=None, heavy_length: int = 0, streamed_heads: Sequence[tuple[int, int]] = (),
+                 stream_window: int = 0):
         if granularity not in GRANULARITIES:
             raise KVPlanError(f"granularity {granularity!r} is not one of {list(GRANULARITIES)}")
         bits = tuple(sorted(set(int(b) for b in bits)))
@@ -162,6 +167,21 @@ class SearchSpace:
         if rotation == "hadamard" and not hadamard_fits(geometry.head_dim):
             raise KVPlanError(f"rotation 'hadamard' needs a power-of-two head_dim; this model's is {geometry.head_dim} "
                               "(use rotation='none')")
+        # streamed KV heads (plans' bits 0, chosen before the search: kvplan.search.streaming): their slots
+        # are fixed at STREAMED, one level, no searched parameter; slot granularity only
+        self.streamed_heads = tuple(sorted({(int(l), int(h)) for l, h in streamed_heads}))
+        if self.streamed_heads:
+            if granularity != "slot":
+                raise KVPlanError("streamed heads need granularity 'slot'")
+            if not stream_window:
+                raise KVPlanError("streamed heads need a stream window (stream_window >= 1)")
+            for l, h in self.streamed_heads:
+                if not (0 <= l < geometry.num_layers and 0 <= h < geometry.num_kv_heads):
+                    raise KVPlanError(f"streamed head ({l}, {h}) is not a (layer, KV head) of this model")
+                if geometry.layer_types[l] != "full":
+                    raise KVPlanError(f"streamed head ({l}, {h}): layer {l} is a {geometry.layer_types[l]} layer")
+            self.fixed_fields["stream_window"] = int(stream_window)
+            QuantizerSettings(**self.fixed_fields)
         self.groups: list[Group] = self._build_groups()
         self._slot_group = np.full(int(np.prod(self.shape)), -1, dtype=np.int64)
         for gi, g in enumerate(self.groups):
@@ -173,7 +193,8 @@ class SearchSpace:
     def codes(self) -> tuple[int, ...]:
         """Slot format codes the space can assign: the candidate bits, and with the key
         correction the lowest quantized bits + :data:`CORRECTED` (a level between it and the next)."""
-        return self.bits + ((self.bits[0] + CORRECTED,) if self.corrects_keys else ())
+        return ((STREAMED,) if self.streamed_heads else ()) + self.bits + (
+            (self.bits[0] + CORRECTED,) if self.corrects_keys else ())
 
     @property
     def corrects_keys(self) -> bool:
@@ -193,9 +214,12 @@ class SearchSpace:
         levels = np.array(self.bits, dtype=np.int64)[:, None]
         groups = []
         if self.granularity == "slot":
+            streamed = set(self.streamed_heads)
             for l, h, k, m in itertools.product(range(L), range(H), range(2), range(M)):
                 sl = idx[l, h, k, m].reshape(1)
                 lv = self._key_levels() if k == 0 else levels.copy()
+                if (l, h) in streamed:
+                    lv = np.array([[STREAMED]], dtype=np.int64)
                 groups.append(Group(f"L{l:02d}.H{h}.{KINDS[k]}.{self.modalities[m]}", sl, lv))
         elif self.granularity == "layer_kv":
             for l, k in itertools.product(range(L), range(2)):
@@ -337,6 +361,8 @@ class SearchSpace:
                             "codebooks": list(self.codebook_kinds)},
                 "residual_bits": self.fixed_fields["residual_bits"], "sink_bits": self.fixed_fields["sink_bits"],
                 **({"heavy_length": heavy} if (heavy := self.fixed_fields["heavy_length"]) else {}),
+                **({"streamed_heads": [list(x) for x in self.streamed_heads],
+                    "stream_window": self.fixed_fields["stream_window"]} if self.streamed_heads else {}),
                 **({"error_feedback": {"metric_sha256": _digest(self.feedback_metric.array)}}
                    if self.feedback_metric is not None else {}),
                 **({"recent_lengths": list(self.recent_lengths)} if self.recent_lengths != (0,) else {}),

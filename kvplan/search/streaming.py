@@ -1,0 +1,117 @@
+"""Streamed KV heads, chosen before the search (DuoAttention's streaming heads, plans' bits 0).
+
+A streamed head stores no codes: its queries attend to the sink positions, copies of its newest
+``stream_window`` committed tokens and the residual (:mod:`kvplan.runtime.cache`). At a 512-token
+reference it costs a few hundredths of the bpv its two 2-bit slots cost, a level far below the
+2-bit floor that most slots of a 2.5 bpv plan sit on, so the bits it frees buy higher bits for the
+heads that need them.
+
+Which heads: the profile measures each full-attention KV head streamed alone, everything else at
+full precision (``L07.stream.h2``: the same units as the sensitivity profile's one-unit KLs), and
+the search's additive damage model picks them: a knapsack over KV heads whose options are every
+(key level, value level) pair of the space and streaming, at the search's budget
+(``bench/streaming_heads_probe.py`` measured this choice on the validation split). The chosen set is
+fixed for the whole search (the space's streamed slots have one level); the search allocates the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Mapping
+
+import numpy as np
+
+from ..kernels.qtypes import FULL_PRECISION_BITS, STREAMED
+from ..plans import Plan, Provenance, Reference
+from ..plans.accounting import committed_length, stream_tokens
+from .budget import BpvModel, greedy_knapsack, group_damage
+from .sensitivity import correction_factor, profile_quantizer, slot_sensitivity
+from .space import SearchSpace
+
+
+def stream_key(layer: int, head: int) -> str:
+    """Profile entry of a KV head streamed alone."""
+    return f"L{layer:02d}.stream.h{head}"
+
+
+def streaming_plans(space: SearchSpace, reference: Reference, stream_window: int) -> dict[str, Plan]:
+    """One plan per KV head of a full-attention layer: that head streamed, every other slot at 16 bits."""
+    q = replace(profile_quantizer(space), stream_window=stream_window)
+    L, H = space.shape[:2]
+    plans = {}
+    for layer in range(L):
+        if space.geometry.layer_types[layer] != "full":
+            continue
+        for head in range(H):
+            table = np.full(space.shape, FULL_PRECISION_BITS, dtype=np.int64)
+            table[layer, head] = STREAMED
+            plans[stream_key(layer, head)] = space.plan_of_table(
+                table, q, reference, provenance=Provenance(produced_by="kvplan search profile"))
+    return plans
+
+
+def run_streaming_profile(score: Callable[[Plan], Mapping], space: SearchSpace, reference: Reference,
+                          stream_window: int, progress: Callable[[int, int], None] | None = None
+                          ) -> dict[str, float]:
+    """KL of each full-attention KV head streamed alone (:func:`streaming_plans`)."""
+    plans = streaming_plans(space, reference, stream_window)
+    out = {}
+    for name, plan in plans.items():
+        out[name] = float(score(plan)["kl"])
+        if progress:
+            progress(len(out), len(plans))
+    return out
+
+
+def choose_streamed(space: SearchSpace, reference: Reference, profile: Mapping[str, float], stream_window: int,
+                    budget: float) -> list[tuple[int, int]]:
+    """The KV heads the damage model streams at ``budget``: for each quantizer setting of ``space`` the
+    greedy knapsack over heads (options: every key level x value level of the head's slots, and
+    streaming, at its measured damage and its window copies' cost); the heads of the setting whose
+    optimum has the least predicted damage. ``[]`` when streaming pays nowhere (or nothing is
+    measured)."""
+    if space.granularity != "slot" or not any(k.startswith("L") and ".stream.h" in k for k in profile):
+        return []
+    model = BpvModel(space, reference)
+    damage = group_damage(space, slot_sensitivity(space, profile), correction_factor(profile))
+    g = space.geometry
+    L, H, _, M = space.shape
+    slot_group = {}
+    for gi, grp in enumerate(space.groups):
+        (s,) = grp.slots
+        layer, head, kind, mod = np.unravel_index(int(s), space.shape)
+        slot_group[layer, head, kind, mod] = gi
+    heads = [(l, h) for l in range(L) for h in range(H) if stream_key(l, h) in profile]
+    best = None
+    for q in space.quantizers():
+        terms = model.terms(q)
+        C = committed_length(reference.context_len, q.residual_length, q.group_size)
+        fp_bytes = reference.full_precision_bits // 8
+        copy_cost = (8.0 * 2 * stream_tokens(C, stream_window, q.recent_length, q.sink_length)
+                     * q.residual_token_bytes(g.head_dim, fp_bytes) / model.n_values(q))  # K and V of one head
+        options = []  # per (layer, head): [(cost, damage, streamed)]
+        for l in range(L):
+            for h in range(H):
+                gk = [slot_group[l, h, 0, m] for m in range(M)]
+                gv = [slot_group[l, h, 1, m] for m in range(M)]
+                opts = [(sum(terms.group_cost[gi, lk] for gi in gk) + sum(terms.group_cost[gi, lv] for gi in gv),
+                         sum(damage[gi, lk] for gi in gk) + sum(damage[gi, lv] for gi in gv), False)
+                        for lk in range(space.groups[gk[0]].n_levels) for lv in range(space.groups[gv[0]].n_levels)]
+                if (l, h) in heads:
+                    opts.append((copy_cost, float(max(profile[stream_key(l, h)], 0.0)), True))
+                options.append(sorted(opts, key=lambda o: (o[0], o[1])))
+        n = max(len(o) for o in options)
+        cost = np.full((len(options), n), np.inf)
+        dmg = np.full((len(options), n), np.inf)
+        for i, opts in enumerate(options):
+            for j, (c, d, _) in enumerate(opts):
+                cost[i, j], dmg[i, j] = c, d
+        slack = budget - terms.const - float(cost[:, 0].sum())
+        if slack < 0:
+            continue
+        choice = greedy_knapsack(cost, dmg, slack)
+        predicted = float(dmg[np.arange(len(options)), choice].sum())
+        streamed = [(i // H, i % H) for i, j in enumerate(choice) if options[i][j][2]]
+        if best is None or predicted < best[0]:
+            best = (predicted, streamed)
+    return [] if best is None else best[1]
