@@ -96,6 +96,14 @@ def make_cache(model, plan, input_ids=None, attention_mask=None, labelling: Labe
     kernel = getattr(model, "_kvplan_attention_kernel", None)
     labelling = labelling_in_force(model, labelling)
     resolved = resolve_plan(plan, model, labelling)
+    if streams(resolved):
+        from .fused import ATTENTION_NAME
+
+        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        if cfg._attn_implementation != ATTENTION_NAME:
+            raise PlanError("bits", "the plan streams KV heads (bits 0), which only kvplan's attention masks: run "
+                            "the model under kvplan.load(model, plan) (or kvplan.runtime.attention_route(model, "
+                            "attention, plan))", show_value=False)
     cache = KVPlanCache(resolved, model, attention_kernel=kernel)
     if input_ids is not None:
         check_modalities(resolved, model, labelling=labelling)
