@@ -549,7 +549,6 @@ class KVPlanLayer(CacheLayerMixin):
         if b > a:
             store.push(*_heads_of(self.residual[kind].parts(a, b), idx))
         store.drop_oldest(store.length - stream_tokens(target, q.stream_window, q.recent_length, q.sink_length))
-        assert b <= n
 
     def _free_before(self, kept: int) -> None:
         """Free every stored token before position ``kept`` (a group boundary): residual tokens
