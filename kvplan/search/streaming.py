@@ -34,9 +34,16 @@ def stream_key(layer: int, head: int) -> str:
     return f"L{layer:02d}.stream.h{head}"
 
 
+def stream_sink(space: SearchSpace) -> int:
+    """Sink positions the streaming profile keeps: the space's smallest positive sink length (a streamed
+    head without an attention sink loses much more; DuoAttention's streaming heads keep one), else 0."""
+    return min([s for s in space.sink_lengths if s > 0], default=0)
+
+
 def streaming_plans(space: SearchSpace, reference: Reference, stream_window: int) -> dict[str, Plan]:
-    """One plan per KV head of a full-attention layer: that head streamed, every other slot at 16 bits."""
-    q = replace(profile_quantizer(space), stream_window=stream_window)
+    """One plan per KV head of a full-attention layer: that head streamed, every other slot at 16 bits,
+    with the sink of :func:`stream_sink`."""
+    q = replace(profile_quantizer(space), stream_window=stream_window, sink_length=stream_sink(space))
     L, H = space.shape[:2]
     plans = {}
     for layer in range(L):
@@ -67,8 +74,9 @@ def choose_streamed(space: SearchSpace, reference: Reference, profile: Mapping[s
                     budget: float) -> list[tuple[int, int]]:
     """The KV heads the damage model streams at ``budget``: for each quantizer setting of ``space`` the
     greedy knapsack over heads (options: every key level x value level of the head's slots, and
-    streaming, at its measured damage and its window copies' cost); the heads of the setting whose
-    optimum has the least predicted damage. ``[]`` when streaming pays nowhere (or nothing is
+    streaming, at its measured damage and its window copies' cost), over the settings that keep at least
+    the sink the damage was measured with; the heads of the setting whose optimum has the least
+    predicted damage. ``[]`` when streaming pays nowhere (or nothing is
     measured)."""
     if space.granularity != "slot" or not any(k.startswith("L") and ".stream.h" in k for k in profile):
         return []
@@ -84,6 +92,8 @@ def choose_streamed(space: SearchSpace, reference: Reference, profile: Mapping[s
     heads = [(l, h) for l in range(L) for h in range(H) if stream_key(l, h) in profile]
     best = None
     for q in space.quantizers():
+        if q.sink_length < stream_sink(space):  # the streaming damage was measured with that sink
+            continue
         terms = model.terms(q)
         C = committed_length(reference.context_len, q.residual_length, q.group_size)
         fp_bytes = reference.full_precision_bits // 8
