@@ -48,7 +48,8 @@ def generate_demo(plan="int4", model="smollm2-135m", prompt=None, max_new_tokens
     print(f"reply: {reply.strip()}")
     print(f"kvplan cache: {parts['total']:,} bytes (codes {parts['payload']:,}, scales/zeros "
           f"{parts['scales_zeros']:,}, key correction {parts['correction']:,}, per-token residual "
-          f"{parts['residual']:,}: newest tokens, recent and heavy-hitter copies) = {cache.bpv():.3f} bits/value")
+          f"{parts['residual']:,}: newest tokens, recent, heavy-hitter and streamed-head copies) = "
+          f"{cache.bpv():.3f} bits/value")
     print(f"without kvplan this model caches {str(dtype).removeprefix('torch.')}: {native_bytes:,} bytes = "
           f"{8 * elem:.3f} bits/value  ->  kvplan uses {parts['total'] / native_bytes:.1%} of it")
     if elem != 2:
