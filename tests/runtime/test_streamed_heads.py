@@ -153,3 +153,27 @@ def test_a_model_attending_without_kvplan_is_refused():
         assert make_cache(model, plan).layers[0].streamed == (1,)
     finally:
         kvplan.unload(model)
+
+
+def test_the_harness_scores_a_streamed_plan_alike_on_every_route():
+    """The search's harness (kvplan.evaluation.evaluate) on the dequantize route (kvplan's attention with the
+    mask, installed by attention_route for this plan) and on a fused kernel: the same KL, in one process
+    and in two, and larger than the same plan without streamed heads."""
+    from kvplan.evaluation import Sample, evaluate, prepare_samples
+
+    model = tiny_llama(head_dim=64)
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for i, n in enumerate((100, 130)):
+        ids = torch.randint(5, 256, (n + 6,), generator=g).tolist()
+        samples.append(Sample(ids[:n], ["text"] * n, ids[n:], meta={"id": f"s{i}"}))
+    prepared = prepare_samples(model, samples, progress=False)
+    base = with_quantizer(uniform_plan(GEOM, 4, group_size=32, residual_length=0, sink_length=1),
+                          recent_length=2, stream_window=8)
+    plan = streamed(base, [(0, 0), (1, 1)])
+    kl = {route: evaluate(model, plan, prepared, attention=route, progress=False)["kl"]["mean"]
+          for route in ("dequantize", "chunked")}
+    assert kl["dequantize"] == pytest.approx(kl["chunked"], rel=1e-4)
+    assert evaluate(model, plan, prepared, attention="chunked", progress=False, processes=2)["kl"]["mean"] == \
+        pytest.approx(kl["chunked"], rel=1e-6)
+    assert kl["chunked"] > evaluate(model, base, prepared, attention="chunked", progress=False)["kl"]["mean"]
