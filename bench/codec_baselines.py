@@ -13,7 +13,13 @@ sink, key-correction basis), and no search:
 * **HeadGuard-style** (``../shared/DESIGN.md`` source 2): the physical KV heads whose keys the
   search's calibration sensitivity profile (``<plan>.search.json``; per-head entries where the
   profile has them, else the layer's entry) ranks most damaging keep their keys at 4 (or 3) bits,
-  the rest 2 bits, adding heads in that order while the plan stays within the budget.
+  the rest 2 bits, adding heads in that order while the plan stays within the budget;
+* **rank-based streaming** (when the searched plan streams KV heads, ``--stream-window``): the same
+  number of heads as the searched plan, half and twice as many, streamed in the order of the
+  profile's streaming damage (least first, ``Lxx.stream.hy``), the bpv they free spent on HeadGuard's
+  ladder (the other key heads to 3 bits in the key profile's order, then value heads to 3 bits in the
+  value profile's order, then key heads to 4 bits) while the plan fits: a DuoAttention-style ranking
+  given the same level as the search.
 
 All plans are scored by the **test** scorer of ``kvplan search`` (16 samples, 512-token history,
 the deployed route), the split the search reports and never chooses on; this script chooses
@@ -35,7 +41,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvplan import Plan  # noqa: E402
-from kvplan.plans import CORRECTED, atomic_write_text  # noqa: E402
+from kvplan.plans import CORRECTED, STREAMED, atomic_write_text  # noqa: E402
+from kvplan.search.streaming import stream_key  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
 
 
@@ -77,7 +84,39 @@ def baseline_plans(searched: Plan, profile: dict, budget: float) -> list[tuple[s
             keys, n = trial, n + 1
         rows.append((f"HeadGuard-style: {n} key heads at {high} bits, rest K2{'+corr' if corr else ''}V2",
                      plan_of(keys, f"headguard-k{high}")))
+    n_streamed = int((searched.code_table() == STREAMED)[:, :, 0, 0].sum())
+    if n_streamed:
+        for n in sorted({max(1, n_streamed // 2), n_streamed, 2 * n_streamed}):
+            rows.append(rank_streaming(searched, profile, budget, n))
     return rows
+
+
+def rank_streaming(searched: Plan, profile: dict, budget: float, n_stream: int) -> tuple[str, Plan]:
+    """The rank-based streaming baseline of the module docstring: ``(label, plan)``."""
+    g, q = searched.geometry, searched.quantizer
+    L, H = g.num_layers, g.num_kv_heads
+    measured = [(profile[stream_key(l, h)], l, h) for l in range(L) for h in range(H) if stream_key(l, h) in profile]
+    streamed = {(l, h) for _, l, h in sorted(measured)[:n_stream]}
+    table = np.full(searched.code_table().shape, 2, dtype=np.int64)
+    table[:, :, 0] += CORRECTED if q.key_correction_rank else 0
+    for l, h in streamed:
+        table[l, h] = STREAMED
+    values = {k.replace(".v", ".k"): v for k, v in profile.items() if ".v" in k}  # key_ranking reads ".k" names
+    ladder = ([(lh, 0, 3) for lh in key_ranking(profile, L, H)] + [(lh, 1, 3) for lh in key_ranking(values, L, H)]
+              + [(lh, 0, 4) for lh in key_ranking(profile, L, H)])
+    raised: dict = {}
+    for (l, h), kind, bits in ladder:
+        if (l, h) in streamed:
+            continue
+        trial = table.copy()
+        trial[l, h, kind] = bits
+        if searched.with_table(trial).bpv().total > budget + 1e-9:
+            break
+        table = trial
+        raised[kind, bits] = raised.get((kind, bits), 0) + 1
+    what = ", ".join(f"{n} {'key' if kind == 0 else 'value'} heads at {bits} bits" for (kind, bits), n in raised.items())
+    return (f"rank-based: {n_stream} least-damaged heads streamed, then {what or 'nothing raised'}",
+            searched.replace(name="rank-streaming", metrics={}).with_table(table))
 
 
 def main() -> None:
