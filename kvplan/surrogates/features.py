@@ -28,9 +28,10 @@ CORRECTION_FEATURE = 0.3
 
 def bits_feature(tables) -> np.ndarray:
     """``log2(bits)`` of format-code tables (``Plan.code_table``), plus ``CORRECTION_FEATURE``
-    on corrected key slots; float, same shape."""
+    on corrected key slots; float, same shape. A streamed head's slots (bits 0, no codes) read 0,
+    below every stored width."""
     bits, corrected = split_codes(np.asarray(tables, dtype=np.int64))
-    return np.log2(bits.astype(np.float64)) + CORRECTION_FEATURE * corrected
+    return np.log2(np.maximum(bits, 1).astype(np.float64)) + CORRECTION_FEATURE * corrected
 
 
 def slot_names(shape, modalities) -> list[str]:
