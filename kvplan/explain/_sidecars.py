@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.qtypes import GROUP_SIZES, SUPPORTED_BITS
+from ..kernels.qtypes import GROUP_SIZES
+from ..plans._fields import PLAN_BITS
 from ..plans import CORRECTED, split_codes
 
 MAX_SIDECAR_BYTES = 256 * 2**20  # larger files are refused rather than read into memory
@@ -101,8 +102,8 @@ def _row_problem(r: dict, n_slots: int) -> str | None:
     except ValueError:
         return "bits holds a non-integer"
     bits, _ = split_codes(codes)
-    if (codes < 0).any() or (codes >= 2 * CORRECTED).any() or not np.isin(bits, SUPPORTED_BITS).all():
-        return f"bits holds format codes other than {list(SUPPORTED_BITS)} (+{CORRECTED} corrected)"
+    if (codes < 0).any() or (codes >= 2 * CORRECTED).any() or not np.isin(bits, PLAN_BITS).all():
+        return f"bits holds format codes other than {list(PLAN_BITS)} (+{CORRECTED} corrected)"
     for k in INT_QUANTIZER_COLUMNS:
         v = r.get(k)
         if v in (None, ""):
