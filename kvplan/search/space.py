@@ -65,9 +65,10 @@ DEFAULT_SINK_BITS = 8
 # copies helped the default model's search (0.0186 vs 0.0198) and hurt Gemma-3-270M's (0.0458 vs 0.0403;
 # bench/search.md)
 DEFAULT_HEAVY_LENGTH = 0
-# committed tokens a streamed KV head keeps (plans' bits 0; kvplan.search.streaming), off: on the validation split
-# the damage model's optimum with 22 heads streamed at a window of 16 read 0.0162 KL against 0.0198 for the
-# recorded plan (bench/results/streaming_heads/); not the default until a whole search with it is measured
+# committed tokens a streamed KV head keeps (plans' bits 0; kvplan.search.streaming), off for now: the whole
+# default search with 16 reads validation KL 0.0146 against 0.0198 without (bench/search.md, 16 chosen on validation
+# among 16 / 32 / 64 by bench/results/streaming_heads/); the default changes once the records that follow the
+# default plan (recorded plan, decode runs, the Gemma-3 search) are redone with it
 DEFAULT_STREAM_WINDOW = 0
 # rank of the HeadQ-style key correction the search offers for key slots at the lowest bits (0 = off);
 # chosen on the validation split: the default search at 2.5 bpv reached validation KL 0.0679 with rank 2
