@@ -77,8 +77,8 @@ def _hide(layer, mask, B: int, Hq: int, Tq: int, T: int, a: int, b: int, device)
         out = out.expand(B, Hq, Tq, T).clone()
     elif mask.dtype == torch.bool:
         out = mask.expand(B, Hq, Tq, T).clone()
-    else:
-        out = (mask > float("-inf")).expand(B, Hq, Tq, T).clone()
+    else:  # additive: masked positions hold -inf or the dtype's most negative number
+        out = (mask > torch.finfo(mask.dtype).min / 2).expand(B, Hq, Tq, T).clone()
     rep = Hq // layer.owner.geometry.num_kv_heads
     for h in layer.streamed:
         out[:, h * rep : (h + 1) * rep, :, a:b] = False

@@ -177,3 +177,20 @@ def test_the_harness_scores_a_streamed_plan_alike_on_every_route():
     assert evaluate(model, plan, prepared, attention="chunked", progress=False, processes=2)["kl"]["mean"] == \
         pytest.approx(kl["chunked"], rel=1e-6)
     assert kl["chunked"] > evaluate(model, base, prepared, attention="chunked", progress=False)["kl"]["mean"]
+
+
+@pytest.mark.parametrize("masked", [float("-inf"), torch.finfo(torch.float32).min])
+def test_an_additive_mask_keeps_its_masked_positions(masked):
+    """The streamed heads' mask built over a forward's additive mask: what it masked (-inf, or the dtype's
+    most negative number as transformers writes it) stays masked for every head, and the streamed heads'
+    query heads (KV head 1 of 2: query heads 2 and 3) also lose positions [1, 3)."""
+    from types import SimpleNamespace
+
+    from kvplan.runtime.fused import _hide
+
+    layer = SimpleNamespace(streamed=(1,), owner=SimpleNamespace(geometry=SimpleNamespace(num_kv_heads=2)))
+    additive = torch.zeros(1, 1, 2, 6)
+    additive[..., 5] = masked
+    got = _hide(layer, additive, 1, 4, 2, 6, 1, 3, "cpu")[0, :, 0]
+    want = torch.tensor([[1, 1, 1, 1, 1, 0]] * 2 + [[1, 0, 0, 1, 1, 0]] * 2, dtype=torch.bool)
+    assert torch.equal(got, want)
