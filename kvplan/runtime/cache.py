@@ -125,6 +125,9 @@ class KVPlanLayer(CacheLayerMixin):
         # quantizer.stream_window in all ([B, n_streamed, n, D]; None: no streamed head)
         self.streamed: tuple[int, ...] = tuple(h for h in range(table.shape[0]) if table[h, 0, 0] == STREAMED)
         self.stream_copies: dict[str, Residual] | None = None
+        # positions of the keys the last dequantize-route update returned that the streamed heads must not
+        # attend to (read by kvplan's attention function, fused.mark_streamed)
+        self.read_hidden: tuple[int, int] | None = None
         self.residual_labels: list[str] = []
         self.committed = 0
         self.key_basis: torch.Tensor | None = None  # [H_kv, D, r] fp32 when the plan corrects keys
@@ -201,7 +204,8 @@ class KVPlanLayer(CacheLayerMixin):
         values = self._read("v", first)
         hidden = self.stream_hidden()
         if hidden is not None:  # kvplan's attention function hides them (positions from ``first``)
-            mark_streamed(keys, self, (hidden[0] - first, hidden[1] - first))
+            self.read_hidden = (hidden[0] - first, hidden[1] - first)
+            mark_streamed(keys, self)
         self._commit()
         if self.heavy is not None and self.heavy.pending:
             mark_observed(keys, self)  # the attention call scores the committed tokens (observe_prompt)

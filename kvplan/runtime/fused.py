@@ -50,23 +50,20 @@ def mark_observed(keys: torch.Tensor, layer) -> None:
     _OBSERVED[id(keys)] = layer
 
 
-# keys returned by a dequantize-route update of a layer with streamed heads -> (layer, [a, b) hidden)
-_STREAMED: dict[int, tuple] = {}
+# layers whose dequantize-route update returned keys with positions (KVPlanLayer.read_hidden) that their
+# streamed heads must not attend to
+_STREAMED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 
 
-def mark_streamed(keys: torch.Tensor, layer, hidden: tuple[int, int]) -> None:
-    if len(_STREAMED) > 4096:  # marks no attention call consumed (a cache used without kvplan's attention)
-        for k in [k for k, entry in _STREAMED.items() if entry[0]() is None]:
-            del _STREAMED[k]
-    _STREAMED[id(keys)] = (weakref.ref(keys), layer, hidden)
+def mark_streamed(keys: torch.Tensor, layer) -> None:
+    _STREAMED[id(keys)] = layer
 
 
-def _streamed_of(key: torch.Tensor):
-    """``(layer, (a, b))`` marked for these keys (the tensor itself, not a reused id), or None."""
-    entry = _STREAMED.pop(id(key), None)
-    if entry is None or entry[0]() is not key:
-        return None
-    return entry[1], entry[2]
+def _streamed_query_heads(layer, Hq: int, device) -> torch.Tensor:
+    """bool ``[Hq]``: the query heads that read the layer's streamed KV heads (GQA: ``j // (Hq // H_kv)``)."""
+    kv = torch.zeros(layer.owner.geometry.num_kv_heads, dtype=torch.bool, device=device)
+    kv[list(layer.streamed)] = True
+    return kv.repeat_interleave(Hq // kv.shape[0])
 
 
 def _hide(layer, mask, B: int, Hq: int, Tq: int, T: int, a: int, b: int, device):
@@ -79,9 +76,7 @@ def _hide(layer, mask, B: int, Hq: int, Tq: int, T: int, a: int, b: int, device)
         out = mask.expand(B, Hq, Tq, T).clone()
     else:  # additive: masked positions hold -inf or the dtype's most negative number
         out = (mask > torch.finfo(mask.dtype).min / 2).expand(B, Hq, Tq, T).clone()
-    rep = Hq // layer.owner.geometry.num_kv_heads
-    for h in layer.streamed:
-        out[:, h * rep : (h + 1) * rep, :, a:b] = False
+    out[:, _streamed_query_heads(layer, Hq, device), :, a:b] = False
     return out
 
 
@@ -97,10 +92,7 @@ def _with_stream_copies(layer, query, key, value, mask):
     hidden = layer.stream_hidden() or (0, 0)
     m = layer.stream_copies["k"].length
     ext = _hide(layer, mask, B, Hq, Tq, T, hidden[0] - layer.dropped, hidden[1] - layer.dropped, key.device)
-    tail = torch.zeros(B, Hq, Tq, m, dtype=torch.bool, device=key.device)
-    rep = Hq // layer.owner.geometry.num_kv_heads
-    for h in layer.streamed:
-        tail[:, h * rep : (h + 1) * rep] = True
+    tail = _streamed_query_heads(layer, Hq, key.device)[None, :, None, None].expand(B, Hq, Tq, m)
     return (torch.cat([key, layer.stream_reads("k", key.dtype)], dim=2),
             torch.cat([value, layer.stream_reads("v", value.dtype)], dim=2), torch.cat([ext, tail], dim=-1))
 
@@ -146,11 +138,10 @@ def kvplan_packed_attention(module, query, key, value, attention_mask, scaling=N
 
     layer = _PENDING.pop(id(key), None)
     if layer is None:
-        streamed = _streamed_of(key)
+        streamed = _STREAMED.pop(id(key), None)
         if streamed is not None:  # the dequantize route: hide what the streamed heads do not store
-            s_layer, (a, b) = streamed
             B, Hq, Tq = query.shape[:3]
-            attention_mask = _hide(s_layer, attention_mask, B, Hq, Tq, key.shape[2], a, b, key.device)
+            attention_mask = _hide(streamed, attention_mask, B, Hq, Tq, key.shape[2], *streamed.read_hidden, key.device)
             kwargs["is_causal"] = False
         out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                      **kwargs)

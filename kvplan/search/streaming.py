@@ -89,7 +89,7 @@ def choose_streamed(space: SearchSpace, reference: Reference, profile: Mapping[s
         (s,) = grp.slots
         layer, head, kind, mod = np.unravel_index(int(s), space.shape)
         slot_group[layer, head, kind, mod] = gi
-    heads = [(l, h) for l in range(L) for h in range(H) if stream_key(l, h) in profile]
+    heads = {(l, h) for l in range(L) for h in range(H) if stream_key(l, h) in profile}
     best = None
     for q in space.quantizers():
         if q.sink_length < stream_sink(space):  # the streaming damage was measured with that sink
