@@ -9,7 +9,8 @@ allocation can only move the ~0.25 bpv above it. A **streaming head** (DuoAttent
 the attention sink and a window of the newest ``W`` history tokens of a KV head (K and V, 8-bit
 per-token codes as the plan's recent copies) and drops the rest: at the plan's 512-token reference it
 costs ``(W - recent) / 512`` of the plan's per-token copy cost instead of its two slots' codes, so
-each streamed head frees ~2.2 bpv of one head pair for the others. Not a kvplan feature: the mask
+each streamed head frees ~2.2 bpv of one head pair for the others. Written before kvplan plans could
+stream heads (bits 0, ``kvplan search --stream-window``), so the mask
 lives in this probe's process only (an attention function wrapping SDPA that hides, for the
 streamed KV heads' query heads, history positions ``sink .. T - W``), read on the dequantize route.
 
