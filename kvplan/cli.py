@@ -307,11 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="heavy-hitter copies per KV head of every plan: the N committed tokens a prompt's last 32 "
                         "queries attend to most keep a residual-precision copy that reads use (paid in bpv; "
                         f"default {DEFAULT_HEAVY_LENGTH})")
-    s.add_argument("--stream-window", type=_non_negative, default=DEFAULT_STREAM_WINDOW, metavar="W",
+    s.add_argument("--stream-window", type=_non_negative, default=None, metavar="W",
                    help="let the search stream KV heads (no codes: the head attends to the sink, copies of its W "
                         "newest committed tokens and the uncommitted ones); the profile measures each head streamed "
-                        "alone and the damage model picks them before the search (slot granularity; default "
-                        f"{DEFAULT_STREAM_WINDOW}: off)")
+                        "alone and the damage model picks them before the search (slot granularity; 0: off; "
+                        f"default {DEFAULT_STREAM_WINDOW} where the search can stream: slot granularity, no "
+                        "--heavy-length, a profile)")
     s.add_argument("--no-error-feedback", action="store_true",
                    help="round slot codes to the nearest level (default: codes chosen by error feedback under "
                         "metrics learned from the calibration queries and the output projections; same bytes)")

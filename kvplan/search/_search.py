@@ -636,7 +636,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            key_scaling: str | None = None, value_scaling: str | None = None, codebooks: Sequence[str] | None = None,
            residual_bits: int = DEFAULT_RESIDUAL_BITS, recent_lengths: Sequence[int] = DEFAULT_RECENT_LENGTHS,
            sink_bits: int = DEFAULT_SINK_BITS, heavy_length: int = DEFAULT_HEAVY_LENGTH,
-           stream_window: int = DEFAULT_STREAM_WINDOW,
+           stream_window: int | None = None,
            error_feedback: bool | None = None, pareto: bool = False,
            profile: bool | Mapping[str, float] = True,
            profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
@@ -690,8 +690,9 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     ``stream_window``: ``W > 0`` lets the search stream KV heads (plans' bits 0: no codes, the head attends
     to the sink, copies of its newest ``W`` committed tokens and the residual; :mod:`.streaming`): the
     profile also measures each full-attention head streamed alone, the damage model chooses the streamed
-    heads at the budget before the search, and the search allocates the other slots (default
-    ``DEFAULT_STREAM_WINDOW``: 0, off).
+    heads at the budget before the search, and the search allocates the other slots; ``0`` turns it off.
+    ``None`` (default): ``DEFAULT_STREAM_WINDOW`` where the search can stream (granularity ``"slot"``, no
+    ``heavy_length``, a sensitivity profile to choose by), else 0.
     ``error_feedback``: every searched plan carries a ``feedback_metric`` (learned from the same
     calibration queries and the model's output projections, :mod:`.feedback_metric`) and its slot
     codes are chosen by error feedback (:mod:`kvplan.kernels.feedback`: same formats and bytes);
@@ -788,6 +789,11 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     value_scaling = DEFAULT_FORMATS["value_scaling"] if value_scaling is None else value_scaling
     codebooks = tuple(DEFAULT_FORMATS["codebooks"] if codebooks is None else codebooks)
 
+    if stream_window is None:  # on where the search can stream
+        stream_window = DEFAULT_STREAM_WINDOW if granularity == "slot" and not heavy_length and profile else 0
+    if stream_window and not profile:
+        raise KVPlanError("stream_window: streamed heads are chosen from the sensitivity profile, which "
+                          "profile=False (--no-profile) turns off")
     if stream_window and granularity != "slot":
         raise KVPlanError(f"stream_window: streamed heads are chosen per KV head, which needs granularity 'slot' "
                           f"(got {granularity!r})")

@@ -289,7 +289,8 @@ def greedy_knapsack(cost: np.ndarray, damage: np.ndarray, slack: float) -> np.nd
     dmg = np.where(np.isfinite(damage), damage, np.inf)
     while True:
         d_cost = cost - cost[idx, levels][:, None]  # [n, max_lv]
-        d_dmg = dmg[idx, levels][:, None] - dmg
+        with np.errstate(invalid="ignore"):  # inf - inf at padded levels: nan, never ok below
+            d_dmg = dmg[idx, levels][:, None] - dmg
         ok = (d_cost > 0) & (d_cost <= slack + EPS) & (d_dmg > 0) & np.isfinite(d_cost)
         if not ok.any():
             break

@@ -65,11 +65,11 @@ DEFAULT_SINK_BITS = 8
 # copies helped the default model's search (0.0186 vs 0.0198) and hurt Gemma-3-270M's (0.0458 vs 0.0403;
 # bench/search.md)
 DEFAULT_HEAVY_LENGTH = 0
-# committed tokens a streamed KV head keeps (plans' bits 0; kvplan.search.streaming), off for now: the whole
-# default search with 16 reads validation KL 0.0146 against 0.0198 without (bench/search.md, 16 chosen on validation
-# among 16 / 32 / 64 by bench/results/streaming_heads/); the default changes once the records that follow the
-# default plan (recorded plan, decode runs, the Gemma-3 search) are redone with it
-DEFAULT_STREAM_WINDOW = 0
+# committed tokens a streamed KV head keeps (plans' bits 0; kvplan.search.streaming), chosen on the validation
+# split: the whole default search with 16 reads validation KL 0.0146 against 0.0198 without (bench/search.md;
+# 16 among 16 / 32 / 64 by bench/results/streaming_heads/). Searches turn it on where they can stream: slot
+# granularity and no heavy-hitter copies (kvplan.search.search's stream_window=None)
+DEFAULT_STREAM_WINDOW = 16
 # rank of the HeadQ-style key correction the search offers for key slots at the lowest bits (0 = off);
 # chosen on the validation split: the default search at 2.5 bpv reached validation KL 0.0679 with rank 2
 # vs 0.0776 with rank 0 (bench/results/key_correction_rank/; ranks 1 and 4 not re-run on validation)

@@ -2,7 +2,8 @@
 
 Keys ~8x more sensitive than values, a few "hot" KV heads, layer-dependent weights, a
 K x V interaction per layer, worse with larger groups, better with a longer residual; key
-slots with the key correction do 5x less damage; 16 recent copies halve the KL.
+slots with the key correction do 5x less damage; 16 recent copies halve the KL; a streamed slot (bits 0)
+does the damage of ~1.2 bits (finite, as a real scorer's KL is).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class SyntheticScorer:
         if self.sleep:
             time.sleep(self.sleep)
         t = plan.table().astype(float)
-        err = np.where(t >= 16, 0.0, (3.0 / (2.0 ** t - 1)) ** 2)
+        err = np.where(t >= 16, 0.0, (3.0 / (2.0 ** np.maximum(t, 1.2) - 1)) ** 2)
         err = err * np.where(plan.correction_table(), self.correction_factor, 1.0)
         q = plan.quantizer
         gs = (q.group_size / 32) ** 0.5

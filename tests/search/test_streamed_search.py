@@ -53,11 +53,28 @@ def test_cheap_heads_are_streamed_and_the_rest_searched(tmp_path):
     # every real evaluation of the study kept the same heads streamed
     for t in result.study.get_trials():
         assert not any(name.startswith(("L01.H0", "L04.H1")) for name in t.params), t.params
-    # the same search without the window streams nothing and reads worse under this scorer
-    plain = search(budget="2.3", n_trials=24, scorer=StreamingScorer(cheap), out=None, progress=False, seed=0,
-                   **fixed)
+    # the same search with streaming turned off streams nothing and reads worse under this scorer
+    plain = search(budget="2.3", n_trials=24, scorer=StreamingScorer(cheap), stream_window=0, out=None,
+                   progress=False, seed=0, **fixed)
     assert not (plain.plan.code_table() == STREAMED).any()
     assert scorer(plan)["kl"] < scorer(plain.plan)["kl"]
+
+
+def test_streaming_is_on_by_default_where_the_search_can_stream():
+    from kvplan.search.space import DEFAULT_STREAM_WINDOW
+
+    fixed = dict(group_sizes=(128,), residual_lengths=(0,), sink_lengths=(1,), recent_lengths=(0,), progress=False)
+    cheap = [(1, 0), (4, 1)]
+    on = search(budget="2.3", n_trials=4, scorer=StreamingScorer(cheap), **fixed)
+    assert on.plan.quantizer.stream_window == DEFAULT_STREAM_WINDOW > 0
+    assert {tuple(int(i) for i in x) for x in np.argwhere((on.plan.code_table() == STREAMED)[:, :, 0, 0])} == set(cheap)
+    # where it cannot stream, the default is off (no error): layer granularity, heavy copies, no profile
+    for kw in (dict(granularity="layer"), dict(heavy_length=2), dict(profile=False)):
+        off = search(budget="2.3", n_trials=4, scorer=StreamingScorer(cheap), **fixed, **kw)
+        assert not (off.plan.code_table() == STREAMED).any() and off.plan.quantizer.stream_window == 0, kw
+        assert not any(".stream.h" in k for k in (off.profile or {})), kw
+    with pytest.raises(KVPlanError, match="stream_window: streamed heads are chosen from the sensitivity profile"):
+        search(budget="2.3", n_trials=2, scorer=StreamingScorer(cheap), stream_window=8, profile=False, **fixed)
 
 
 def test_stream_window_needs_slot_granularity_and_no_heavy_copies():
