@@ -8,7 +8,7 @@
 #    (quantize, dequantize, error-feedback codes, fused decode attention) against the pure-PyTorch reference
 #    encode/decode: fp16/bf16/fp32, 2/3/4/8 bits, GQA, padded batches, mixed per-head bits,
 #    Hadamard / pre-RoPE / corrected blocks, and the large `gpu`-marked shapes;
-# 2. speed: bench/kernels.py --step-table: decode attention of all 30 layers and a whole decode
+# 2. speed: bench/decode_kernels.py --step-table: decode attention of all 30 layers and a whole decode
 #    step on a random-weight SmolLM2-135M-config model, for sdpa/DynamicCache and kvplan int4,
 #    int2, k4v2 and the default searched plan (bench/results/search-2.5bpv.yaml) at 4k/16k/64k
 #    history, batch 1 and 8; writes bench/results/gpu-<gpu>.md stamped with commit, command,
@@ -44,5 +44,5 @@ if [ "$RC" -ne 0 ]; then
     exit "$RC"
 fi
 echo "== 2/2 decode attention and decode step table"
-timeout "$T_STEP" "$PY" bench/kernels.py --step-table "${STEP[@]}" --command "$CMD" \
+timeout "$T_STEP" "$PY" bench/decode_kernels.py --step-table "${STEP[@]}" --command "$CMD" \
     --tests "$SUMMARY" --tests-command "pytest -q ${TESTS[*]}"

@@ -1,7 +1,10 @@
 """Decode-attention kernel benchmark: fused packed attention vs fp16 SDPA vs dequantize+SDPA.
 
-    python bench/kernels.py                 # full table on a CUDA GPU
-    python bench/kernels.py --contexts 4096 --batches 1 --iters 10
+(Named decode_kernels.py, not kernels.py: scripts run from bench/ put it first on sys.path, where a
+kernels.py shadows the `kernels` package that transformers imports.)
+
+    python bench/decode_kernels.py                 # full table on a CUDA GPU
+    python bench/decode_kernels.py --contexts 4096 --batches 1 --iters 10
 
 For contexts 4k / 16k / 64k and batch 1 / 16, with real head shapes (Hq=28, Hkv=4, D=128,
 one decode token), it times:
@@ -352,7 +355,7 @@ def run_step_table(args) -> int:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "kvplan", "bench"],
                            cwd=ROOT, capture_output=True, text=True).stdout.strip()
     meta = dict(device=name, commit=commit.strip() + (" (+ uncommitted changes)" if dirty else ""),
-                command=args.command or "python " + " ".join(["bench/kernels.py"] + sys.argv[1:]),
+                command=args.command or "python " + " ".join(["bench/decode_kernels.py"] + sys.argv[1:]),
                 date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__, triton=triton.__version__,
                 dtype=str(dtype).split(".")[1], iters=iters, steps=steps, tests=args.tests,
                 tests_command=args.tests_command)
