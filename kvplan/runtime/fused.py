@@ -6,7 +6,7 @@ SDPA's mask function with ``AttentionMaskInterface``) and sets it on the model's
 decoder only; a VLM's vision tower keeps its own attention.
 
 A cache layer in this mode returns its residual (as the cache reads it) from ``update`` and
-remembers itself under that tensor's id; the attention function finds the layer and
+marks that tensor (:class:`TensorMarks`); the attention function finds the layer and
 runs the cache's kernel (:func:`kvplan.kernels.triton_kernels.packed_decode_attention` on
 CUDA, :func:`kvplan.kernels.attention_native.native_decode_attention` on the CPU, or
 :func:`kvplan.kernels.attention_chunked.chunked_decode_attention`) over the
@@ -35,28 +35,59 @@ ATTENTION_NAME = "kvplan_packed"
 # Queries longer than this (prefill) use SDPA over dequantized + residual states.
 MAX_FUSED_QUERY = 16
 
-_PENDING: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+class TensorMarks:
+    """Layers marked on a tensor their ``update`` returned, read once by the attention call that gets
+    that very tensor. Looked up by the tensor's ``id`` and checked to be the same object: a mark nobody
+    read (a cache updated outside a forward) would otherwise hand its layer to a later tensor that
+    reuses the freed id. An entry goes when its tensor or its layer is freed. ``key``: how tensors are
+    looked up (``id``; tests force collisions with a constant)."""
+
+    def __init__(self, key=id) -> None:
+        self._key = key
+        self._entries: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+    def put(self, tensor: torch.Tensor, layer) -> None:
+        k = self._key(tensor)
+
+        def drop(_ref, k=k) -> None:  # the tensor or the layer was freed: forget the entry if it is still theirs
+            entry = self._entries.get(k)
+            if entry is not None and (entry[0]() is None or entry[1]() is None):
+                del self._entries[k]
+
+        self._entries[k] = (weakref.ref(tensor, drop), weakref.ref(layer, drop))
+
+    def pop(self, tensor: torch.Tensor):
+        """The layer marked on ``tensor`` (and the mark removed), or ``None``."""
+        k = self._key(tensor)
+        entry = self._entries.get(k)
+        if entry is None or entry[0]() is not tensor:
+            return None
+        del self._entries[k]
+        return entry[1]()
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
+# layers whose fused-route update returned their dense tail: the attention call runs the cache's kernel
+_PENDING = TensorMarks()
 # layers whose forward committed tokens that its attention call scores (heavy-hitter copies)
-_OBSERVED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_OBSERVED = TensorMarks()
+# layers whose dequantize-route update returned keys with positions (KVPlanLayer.read_hidden) that their
+# streamed heads must not attend to
+_STREAMED = TensorMarks()
 
 
 def mark_pending(key_residual: torch.Tensor, layer) -> None:
-    _PENDING[id(key_residual)] = layer
+    _PENDING.put(key_residual, layer)
 
 
 def mark_observed(keys: torch.Tensor, layer) -> None:
-    _OBSERVED[id(keys)] = layer
-
-
-# layers whose dequantize-route update returned keys with positions (KVPlanLayer.read_hidden) that their
-# streamed heads must not attend to
-_STREAMED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+    _OBSERVED.put(keys, layer)
 
 
 def mark_streamed(keys: torch.Tensor, layer) -> None:
-    _STREAMED[id(keys)] = layer
+    _STREAMED.put(keys, layer)
 
 
 def _streamed_query_heads(layer, Hq: int, device) -> torch.Tensor:
@@ -136,16 +167,16 @@ def kvplan_packed_attention(module, query, key, value, attention_mask, scaling=N
     """transformers attention function: ``query [B, Hq, Tq, D]``; returns ``([B, Tq, Hq, D], None)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    layer = _PENDING.pop(id(key), None)
+    layer = _PENDING.pop(key)
     if layer is None:
-        streamed = _STREAMED.pop(id(key), None)
+        streamed = _STREAMED.pop(key)
         if streamed is not None:  # the dequantize route: hide what the streamed heads do not store
             B, Hq, Tq = query.shape[:3]
             attention_mask = _hide(streamed, attention_mask, B, Hq, Tq, key.shape[2], *streamed.read_hidden, key.device)
             kwargs["is_causal"] = False
         out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                      **kwargs)
-        observer = _OBSERVED.pop(id(key), None)
+        observer = _OBSERVED.pop(key)
         if observer is not None:  # a prompt: its last queries choose the heavy-hitter copies
             observer.observe_prompt(query, key, scaling, attention_mask)
         return out

@@ -194,3 +194,63 @@ def test_an_additive_mask_keeps_its_masked_positions(masked):
     got = _hide(layer, additive, 1, 4, 2, 6, 1, 3, "cpu")[0, :, 0]
     want = torch.tensor([[1, 1, 1, 1, 1, 0]] * 2 + [[1, 0, 0, 1, 1, 0]] * 2, dtype=torch.bool)
     assert torch.equal(got, want)
+
+
+def test_a_mark_nobody_read_never_reaches_a_later_tensor(monkeypatch):
+    """A cache updated outside a forward (as the bytes test above does) leaves its marks unread; a later
+    tensor that reuses the freed id must not pick them up (it did: a streamed layer's stale mark masked an
+    unrelated prefill now and then in the whole suite). Every tensor gets one id here, the worst case of
+    id reuse: with a streamed cache's marks left unread, a plain plan's logits are those without them (on
+    the chunked route, whose prefill runs kvplan's attention function; the dequantize route runs SDPA
+    itself for a plan without streamed heads or heavy copies)."""
+    attention = "chunked"
+    from kvplan.runtime import fused
+
+    for name in ("_PENDING", "_OBSERVED", "_STREAMED"):
+        monkeypatch.setattr(fused, name, fused.TensorMarks(key=lambda tensor: 0))
+    model = tiny_llama(head_dim=64)
+    ids = torch.randint(3, 256, (1, 76), generator=torch.Generator().manual_seed(3))
+    plain = uniform_plan(GEOM, 4, group_size=32, residual_length=0)
+
+    def logits():
+        kvplan.load(model, plain, attention=attention)
+        try:
+            with torch.no_grad():
+                cache = make_cache(model, plain, ids[:, :70])
+                model(input_ids=ids[:, :70], cache=cache)
+                return model(input_ids=ids[:, 70:], cache=cache).logits
+        finally:
+            kvplan.unload(model)
+
+    want = logits()
+    stale = KVPlanCache(streamed(with_quantizer(uniform_plan(GEOM, 2, group_size=32, residual_length=8),
+                                                stream_window=4), [(0, 0), (1, 1)]), GEOM)
+    g = torch.Generator().manual_seed(0)
+    kept = [stale.update(torch.randn(1, 2, n, 64, generator=g), torch.randn(1, 2, n, 64, generator=g), i)
+            for n in (48, 1) for i in range(2)]  # read by no attention call; the second has committed tokens
+    assert len(fused._STREAMED) == 1  # the stale mark is there, under the id every tensor gets
+    got = logits()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert len(fused._STREAMED) == 1 and kept  # still there, never read
+
+
+def test_marks_go_with_their_tensor_or_layer():
+    import gc
+
+    from kvplan.runtime.fused import TensorMarks
+
+    class Layer:
+        pass
+
+    marks, layer = TensorMarks(), Layer()
+    t, u = torch.zeros(2), torch.zeros(2)
+    marks.put(t, layer)
+    assert marks.pop(u) is None and marks.pop(t) is layer and marks.pop(t) is None
+    marks.put(t, layer)
+    del t
+    gc.collect()
+    assert len(marks) == 0
+    marks.put(u, layer)
+    del layer
+    gc.collect()
+    assert len(marks) == 0
