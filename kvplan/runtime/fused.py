@@ -35,6 +35,7 @@ ATTENTION_NAME = "kvplan_packed"
 # Queries longer than this (prefill) use SDPA over dequantized + residual states.
 MAX_FUSED_QUERY = 16
 
+
 class TensorMarks:
     """Layers marked on a tensor their ``update`` returned, read once by the attention call that gets
     that very tensor. Looked up by the tensor's ``id`` and checked to be the same object: a mark nobody
