@@ -203,9 +203,9 @@ def test_a_mark_nobody_read_never_reaches_a_later_tensor(monkeypatch):
     id reuse: with a streamed cache's marks left unread, a plain plan's logits are those without them (on
     the chunked route, whose prefill runs kvplan's attention function; the dequantize route runs SDPA
     itself for a plan without streamed heads or heavy copies)."""
-    attention = "chunked"
     from kvplan.runtime import fused
 
+    attention = "chunked"
     for name in ("_PENDING", "_OBSERVED", "_STREAMED"):
         monkeypatch.setattr(fused, name, fused.TensorMarks(key=lambda tensor: 0))
     model = tiny_llama(head_dim=64)
