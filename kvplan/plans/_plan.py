@@ -406,8 +406,10 @@ def _validate_semantics(p: Plan) -> None:
 
 
 def _check_streamed(p: Plan) -> None:
-    """Streamed KV heads (bits 0): every slot of such a head (K and V, each modality) says 0, only in
-    full-attention layers, with ``quantizer.stream_window`` >= 1 and without heavy-hitter copies."""
+    """Streamed KV heads (bits 0): every slot of such a head (K and V, each modality) says 0, in
+    full-attention layers or sliding ones whose window holds the head's copies
+    (:func:`~kvplan.plans.accounting.stream_fits_window`), with ``quantizer.stream_window`` >= 1 and
+    without heavy-hitter copies."""
     codes = p.code_table()  # [L, H_kv, 2, M]
     streamed = codes == STREAMED
     if not streamed.any():
@@ -426,6 +428,9 @@ def _check_streamed(p: Plan) -> None:
         raise PlanError("bits", f"layer {layer} KV head {head}: bits 0 (a streamed head) must cover its keys and "
                         "values in every modality", show_value=False)
     for layer in np.nonzero(per_head.any(axis=(1, 2)))[0]:
-        if p.geometry.layer_types[int(layer)] != "full":
-            raise PlanError("bits", f"layer {int(layer)} is a {p.geometry.layer_types[int(layer)]} layer; only "
-                            "full-attention layers stream KV heads (bits 0)", show_value=False)
+        window = p.geometry.window(int(layer))
+        if not accounting.stream_fits_window(q, window):
+            raise PlanError("bits", f"layer {int(layer)} is a sliding layer of window {window}: its streamed heads' "
+                            f"copies (stream_window {q.stream_window} + recent_length {q.recent_length}) and the "
+                            f"tokens not committed yet (residual_length {q.residual_length} + group_size "
+                            f"{q.group_size}) must fit in the window", show_value=False)

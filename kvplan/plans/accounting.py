@@ -95,9 +95,18 @@ def recent_tokens(committed: int, recent_length: int, sink_length: int, kept_sta
 def stream_tokens(committed: int, stream_window: int, recent_length: int, sink_length: int) -> int:
     """Committed tokens a streamed KV head (bits 0) keeps a copy of besides the recent copies every
     head keeps: its window is the newest ``stream_window`` committed non-sink tokens, and the newest
-    :func:`recent_tokens` of them are held as recent copies already (full-attention layers only)."""
+    :func:`recent_tokens` of them are held as recent copies already (a sliding-window layer streams only
+    where they lie in its window: :func:`stream_fits_window`)."""
     lo = min(sink_length, committed)
     return max(0, min(stream_window, committed - lo) - recent_tokens(committed, recent_length, sink_length))
+
+
+def stream_fits_window(q, window: int | None) -> bool:
+    """Whether a layer of sliding ``window`` (``None``: a full layer) can stream KV heads under quantizer
+    settings ``q``: a streamed head's copies (``stream_window`` tokens before the ``recent_length``
+    recent copies) must lie in the positions the layer still shows its next queries, the newest
+    ``window - 1``, with up to ``residual_length + group_size - 1`` tokens not committed yet after them."""
+    return window is None or q.residual_length + q.group_size + q.recent_length + q.stream_window <= window
 
 
 def _clip_runs(runs, start: int):

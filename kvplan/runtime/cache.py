@@ -23,7 +23,9 @@ Streamed KV heads (slots at bits 0, ``quantizer.stream_window`` ``W``, DuoAttent
 heads): their committed tokens store no codes; they keep copies of their newest ``W`` committed
 non-sink tokens in residual form (``KVPlanLayer.stream_copies``, besides the recent copies every head
 keeps; ``plans.accounting.stream_tokens``), and every attention route masks their other committed
-non-sink positions off (:meth:`KVPlanLayer.stream_hidden`).
+non-sink positions off (:meth:`KVPlanLayer.stream_hidden`). A sliding-window layer streams heads
+where its window holds those copies (``plans.accounting.stream_fits_window``); once it frees its sink,
+a streamed head attends to its copies and the residual only.
 
 Sliding-window layers (Gemma 3, Mistral, ...) free the whole token groups that fell out of
 their window (see :class:`KVPlanLayer`), so their bytes follow what the model can still attend
@@ -203,8 +205,8 @@ class KVPlanLayer(CacheLayerMixin):
         keys = self._read("k", first)
         values = self._read("v", first)
         hidden = self.stream_hidden()
-        if hidden is not None:  # kvplan's attention function hides them (positions from ``first``)
-            self.read_hidden = (hidden[0] - first, hidden[1] - first)
+        if hidden is not None and hidden[1] > first:  # kvplan's attention function hides them (from ``first``)
+            self.read_hidden = (max(hidden[0], first) - first, hidden[1] - first)
             mark_streamed(keys, self)
         self._commit()
         if self.heavy is not None and self.heavy.pending:
@@ -227,12 +229,12 @@ class KVPlanLayer(CacheLayerMixin):
 
     def stream_hidden(self) -> tuple[int, int] | None:
         """Positions ``[a, b)`` the streamed heads' queries must not attend to now: committed, not a
-        sink position, older than their copies and the recent copies (nothing stored there). ``None``:
-        no streamed head, or nothing hidden yet."""
+        sink position, older than their copies and the recent copies (nothing stored there), not freed
+        (a sliding-window layer). ``None``: no streamed head, or nothing hidden yet."""
         if self.stream_copies is None:
             return None
         q = self.owner.plan.quantizer
-        a = min(q.sink_length, self.committed)
+        a = max(min(q.sink_length, self.committed), self.dropped)
         b = self.committed - self.recent["k"].length - self.stream_copies["k"].length
         return (a, b) if b > a else None
 

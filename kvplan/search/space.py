@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -37,6 +37,7 @@ from ..models.modality import TOKEN_IDS_NAME
 from ..plans import (CORRECTED, KINDS, KVTUNER_PAIRS, FeedbackMetric, KeyBasis, Plan, Provenance, QuantizerSettings,
                      Reference)
 from ..plans._rope import as_floats, layer_rope_inv_freq, normalize_rope_inv_freq
+from ..plans.accounting import stream_fits_window
 
 GRANULARITIES = ("slot", "layer_kv", "layer", "kvtuner")
 DEFAULT_BITS = (2, 3, 4, 8, 16)
@@ -179,10 +180,13 @@ class SearchSpace:
             for l, h in self.streamed_heads:
                 if not (0 <= l < geometry.num_layers and 0 <= h < geometry.num_kv_heads):
                     raise KVPlanError(f"streamed head ({l}, {h}) is not a (layer, KV head) of this model")
-                if geometry.layer_types[l] != "full":
-                    raise KVPlanError(f"streamed head ({l}, {h}): layer {l} is a {geometry.layer_types[l]} layer")
             self.fixed_fields["stream_window"] = int(stream_window)
             QuantizerSettings(**self.fixed_fields)
+            for l, h in self.streamed_heads:
+                if l not in self.streamable_layers():
+                    raise KVPlanError(f"streamed head ({l}, {h}): layer {l} is a sliding layer of window "
+                                      f"{geometry.window(l)}, too short for the copies of a streamed head under "
+                                      "every quantizer setting of the space")
         self.groups: list[Group] = self._build_groups()
         self._slot_group = np.full(int(np.prod(self.shape)), -1, dtype=np.int64)
         for gi, g in enumerate(self.groups):
@@ -264,6 +268,15 @@ class SearchSpace:
                                   **self.fixed_fields)
                 for g, a, r, s, w in itertools.product(self.group_sizes, self.key_axes, self.residual_lengths,
                                                        self.sink_lengths, self.recent_lengths)]
+
+    def streamable_layers(self, stream_window: int | None = None) -> tuple[int, ...]:
+        """Layers whose KV heads can stream (window ``stream_window``, default the space's) under every
+        quantizer setting of the space: full-attention layers, and sliding ones whose window holds a
+        streamed head's copies (:func:`~kvplan.plans.accounting.stream_fits_window`)."""
+        w = self.fixed_fields.get("stream_window", 0) if stream_window is None else stream_window
+        qs = [replace(q, stream_window=w) for q in self.quantizers()]
+        return tuple(l for l in range(self.geometry.num_layers)
+                     if all(stream_fits_window(q, self.geometry.window(l)) for q in qs))
 
     def distributions(self) -> dict[str, BaseDistribution]:
         """Optuna distributions: ``IntDistribution`` levels per group, categorical quantizer fields."""

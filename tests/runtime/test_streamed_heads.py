@@ -13,6 +13,7 @@ from tests.runtime.routes import KERNELS, generate_like_dequantize, prefill_then
 from tests.tiny_models import tiny_llama
 
 GEOM = Geometry(2, 2, 64, ("full", "full"), "llama")
+HYBRID = Geometry(2, 2, 64, ("full", "sliding"), "llama", 48)
 
 
 def streamed(plan, heads):
@@ -39,6 +40,23 @@ def test_bytes_equal_the_plan_at_every_length(bits, window, recent):
         assert layer.stream_copies["k"].length == stream_tokens(layer.committed, window, recent, 1), T
     if window < 10:  # a few copies cost less than the 2-bit codes they replace (40 fp32 ones do not)
         assert plan.bpv(context_len=T).total < base.bpv(context_len=T).total
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_bytes_equal_the_plan_in_a_sliding_layer(bits):
+    """A streamed head in a sliding-window layer (window 48, groups of 32): prefill then token by token
+    far past the window, the cache holds exactly plan.bpv(T) after every step and the streamed heads
+    their stream_tokens copies, while the layer frees its groups (its sink with the first)."""
+    plan = streamed(with_quantizer(uniform_plan(HYBRID, 2, group_size=32, residual_length=8, sink_length=1),
+                                   residual_bits=bits, recent_length=3, stream_window=5), [(0, 1), (1, 0)])
+    cache = KVPlanCache(plan, HYBRID)
+    for T in prefill_then_decode(cache, 90):
+        assert cache.bpv() == plan.bpv(context_len=T, full_precision_bits=32).total, (bits, T)
+        layer = cache.layers[1]
+        assert layer.stream_copies["k"].length == stream_tokens(layer.committed, 5, 3, 1), T
+        hidden = layer.stream_hidden()
+        assert hidden is None or hidden[0] >= max(1, layer.dropped), T  # never a freed position
+    assert cache.layers[1].dropped >= 64
 
 
 def _masked_reference(model, ids, n_history: int, hidden: tuple[int, int], heads):
@@ -105,6 +123,95 @@ def test_a_streamed_head_attends_to_the_sink_its_window_and_the_residual_only(at
     assert (unmasked - want).abs().max() > 1e-3
 
 
+def _sliding_masked_reference(model, ids, n_history: int, hidden: tuple[int, int], heads, window: int):
+    """Logits of ``ids[n_history:]`` from one full-precision forward over all of ``ids`` whose mask is built
+    by absolute position: causal, sliding layers see their newest ``window`` positions, and the query heads
+    of the streamed KV ``heads`` [(layer, head)] do not see ``[a, b)`` from ``n_history`` on."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    types = Geometry.of(model).layer_types
+
+    def masked(module, query, key, value, attention_mask, **kwargs):
+        B, Hq, T, _ = query.shape
+        i = torch.arange(T)[:, None]
+        j = torch.arange(T)[None, :]
+        allowed = j <= i
+        if types[module.layer_idx] == "sliding":
+            allowed = allowed & (i - j < window)
+        allowed = allowed.expand(B, Hq, T, T).clone()
+        rep = Hq // key.shape[1]
+        for layer, head in heads:
+            if layer == module.layer_idx:
+                allowed[:, head * rep:(head + 1) * rep, n_history:, hidden[0]:hidden[1]] = False
+        kwargs["is_causal"] = False
+        return sdpa_attention_forward(module, query, key, value, allowed, **kwargs)
+
+    AttentionInterface.register("test_streamed_sliding_reference", masked)
+    AttentionMaskInterface.register("test_streamed_sliding_reference", sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("test_streamed_sliding_reference")
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids, use_cache=False).logits[:, n_history:]
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@pytest.mark.parametrize("attention", ["dequantize"] + KERNELS)
+def test_a_streamed_head_in_a_sliding_layer_attends_to_its_window_copies_and_the_residual(attention):
+    """Tiny Gemma 3 (5 sliding layers of window 48, 1 full), a 100-token history (the sliding layers freed
+    their first group, sink included): streamed heads in sliding layers and the full one, every other slot
+    at 16 bits; the continuation's logits on each route are those of full-precision attention with the
+    model's sliding mask and the streamed heads' older committed positions masked."""
+    from tests.tiny_models import tiny_gemma3
+
+    window = 48
+    model = tiny_gemma3(sliding_window=window)
+    geom = Geometry.of(model)
+    heads = [(0, 1), (2, 0), (5, 1)]
+    stream, recent, sink = 6, 2, 1
+    plan = with_quantizer(uniform_plan(geom, 16, group_size=32, residual_length=0, sink_length=sink),
+                          recent_length=recent, stream_window=stream)
+    plan = streamed(plan, heads)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 256, (1, 106), generator=g)
+    n_history = 100
+    C = committed_length(n_history, 0, 32)  # 96 committed, 4 in the residual
+    hidden = (sink, C - recent_tokens(C, recent, sink) - stream_tokens(C, stream, recent, sink))
+    assert hidden == (1, 90)
+    kvplan.load(model, plan, attention=attention)
+    try:
+        with torch.no_grad():
+            cache = make_cache(model, plan, ids[:, :n_history])
+            model(input_ids=ids[:, :n_history], cache=cache)
+            assert cache.layers[0].dropped == 32 and cache.layers[0].stream_hidden() == (32, 90)
+            assert cache.layers[5].stream_hidden() == hidden
+            got = model(input_ids=ids[:, n_history:], cache=cache).logits
+    finally:
+        kvplan.unload(model)
+    want = _sliding_masked_reference(model, ids, n_history, hidden, heads, window)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    # the streamed heads' mask matters in the sliding layers: without it there the logits differ
+    full_only = _sliding_masked_reference(model, ids, n_history, hidden, [(5, 1)], window)
+    assert (full_only - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+def test_generation_in_sliding_layers_matches_the_dequantize_route(attention):
+    """A 2-bit plan streaming heads of tiny Gemma 3's sliding layers (window 48): greedy generation from a
+    48-token prompt to 88 tokens, through commits and freed groups, gives the same tokens and scores on
+    every fused kernel as on the dequantize route, a batch of two."""
+    from tests.tiny_models import tiny_gemma3
+
+    model = tiny_gemma3(sliding_window=48)
+    geom = Geometry.of(model)
+    plan = with_quantizer(uniform_plan(geom, 2, group_size=32, residual_length=0, sink_length=1),
+                          residual_bits=8, recent_length=2, stream_window=8)
+    generate_like_dequantize(model, streamed(plan, [(0, 0), (1, 1), (5, 0)]), attention)
+
+
 @pytest.mark.parametrize("attention", KERNELS)
 def test_generation_matches_the_dequantize_route(attention):
     """A 2-bit plan with streamed heads: greedy generation through several commits (prefill 48, 40 new
@@ -118,8 +225,9 @@ def test_generation_matches_the_dequantize_route(attention):
 
 
 def test_plan_checks():
-    """Bits 0 must cover a head's keys and values in every modality, in a full-attention layer, with a
-    stream window and without heavy-hitter copies; a version-7 file may not say it."""
+    """Bits 0 must cover a head's keys and values in every modality, in a full-attention layer or a
+    sliding one whose window holds the head's copies, with a stream window and without heavy-hitter
+    copies; a version-7 file may not say it."""
     plan = with_quantizer(uniform_plan(GEOM, 2, group_size=32), stream_window=4)
     table = plan.code_table().copy()
     table[0, 1, 0] = STREAMED
@@ -129,9 +237,11 @@ def test_plan_checks():
         streamed(with_quantizer(plan, stream_window=0), [(0, 1)])
     with pytest.raises(kvplan.PlanError, match="heavy_length"):
         streamed(with_quantizer(plan, heavy_length=2), [(0, 1)])
-    hybrid = Geometry(2, 2, 64, ("full", "sliding"), "llama", 48)
-    with pytest.raises(kvplan.PlanError, match="layer 1 is a sliding layer"):
-        streamed(with_quantizer(uniform_plan(hybrid, 2, group_size=32), stream_window=4), [(1, 0)])
+    # a sliding layer streams where its window holds the copies and the tokens not committed yet
+    hybrid_plan = with_quantizer(uniform_plan(HYBRID, 2, group_size=32, residual_length=8), recent_length=4)
+    with pytest.raises(kvplan.PlanError, match="layer 1 is a sliding layer of window 48"):
+        streamed(with_quantizer(hybrid_plan, stream_window=5), [(1, 0)])  # 8 + 32 + 4 + 5 > 48
+    assert streamed(with_quantizer(hybrid_plan, stream_window=4), [(1, 0)]).code_table()[1, 0, 0, 0] == STREAMED
     ok = streamed(plan, [(1, 1)])
     again = kvplan.Plan.from_yaml(ok.to_yaml())
     assert np.array_equal(again.code_table(), ok.code_table()) and again.quantizer.stream_window == 4
