@@ -689,8 +689,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     use; paid in bpv, so the search lowers slot bits to fit them; default ``DEFAULT_HEAVY_LENGTH``).
     ``stream_window``: ``W > 0`` lets the search stream KV heads (plans' bits 0: no codes, the head attends
     to the sink, copies of its newest ``W`` committed tokens and the residual; :mod:`.streaming`): the
-    profile also measures each KV head that can stream (full-attention layers, sliding ones whose window
-    holds its copies) streamed alone, the damage model chooses the streamed
+    profile also measures each full-attention head streamed alone, the damage model chooses the streamed
     heads at the budget before the search, and the search allocates the other slots; ``0`` turns it off.
     ``None`` (default): ``DEFAULT_STREAM_WINDOW`` where the search can stream (granularity ``"slot"``, no
     ``heavy_length``, a sensitivity profile to choose by), else 0.
@@ -962,7 +961,7 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
         streamed = []
         if stream_window and prof is not None:
             if not any(".stream.h" in k for k in prof):
-                say("streaming profile: each KV head that can stream, streamed alone")
+                say("streaming profile: each full-attention KV head streamed alone")
                 stream = run_streaming_profile(getattr(scorer, "score_profile_plan", scorer), space, reference,
                                                stream_window)
                 n_profile_evals += len(stream)

@@ -87,9 +87,10 @@ def test_stream_window_needs_slot_granularity_and_no_heavy_copies():
 
 
 def test_sliding_layers_stream_where_their_window_holds_the_copies():
-    """A hybrid model (full, sliding with window 48): the sliding layer's heads are profiled and may be
-    streamed when every quantizer setting of the space keeps a streamed head's copies and the tokens not
-    committed yet inside the window (32 + 0 + 4 + 8 <= 48), not when one setting does not (group 64)."""
+    """A hybrid model (full, sliding with window 48): a space may fix streamed heads of the sliding layer
+    when every quantizer setting keeps a streamed head's copies and the tokens not committed yet inside
+    the window (32 + 0 + 4 + 8 <= 48), not when one setting does not (group 64); the streaming profile
+    measures the full layer's heads only (validation chose it on Gemma-3-270M, bench/gemma3.md)."""
     from kvplan import Geometry
     from kvplan.search.space import SearchSpace
     from kvplan.search.streaming import streaming_plans
@@ -98,11 +99,10 @@ def test_sliding_layers_stream_where_their_window_holds_the_copies():
     kw = dict(residual_lengths=(0,), sink_lengths=(1,), recent_lengths=(0, 4))
     fits = SearchSpace(hybrid, ("text",), "slot", group_sizes=(32,), **kw)
     assert fits.streamable_layers(8) == (0, 1) and fits.streamable_layers(13) == (0,)
-    assert set(streaming_plans(fits, REF, 8)) == {stream_key(l, h) for l in (0, 1) for h in (0, 1)}
+    assert set(streaming_plans(fits, REF, 8)) == {stream_key(0, h) for h in (0, 1)}
     assert SearchSpace(hybrid, ("text",), "slot", group_sizes=(32,), streamed_heads=[(1, 0)], stream_window=8,
                        **kw).streamed_heads == ((1, 0),)
     too_long = SearchSpace(hybrid, ("text",), "slot", group_sizes=(32, 64), **kw)
     assert too_long.streamable_layers(8) == (0,)
-    assert set(streaming_plans(too_long, REF, 8)) == {stream_key(0, h) for h in (0, 1)}
     with pytest.raises(KVPlanError, match="layer 1 is a sliding layer of window 48"):
         SearchSpace(hybrid, ("text",), "slot", group_sizes=(32, 64), streamed_heads=[(1, 0)], stream_window=8, **kw)
