@@ -88,7 +88,8 @@ from .budget import (
 from .feedback_metric import feedback_metric, output_projections
 from .key_basis import basis_of_moments, query_second_moments
 from .sensitivity import DEFAULT_HEAD_UNITS, correction_factor, recent_factor, run_profile, slot_sensitivity
-from .streaming import choose_streamed, run_streaming_profile
+from .streaming import (STREAM_PARTS_KEYS, STREAM_SCALE_KEY, calibrate_streaming, choose_streamed,
+                        run_streaming_profile)
 from .space import (DEFAULT_BITS, DEFAULT_FORMATS, DEFAULT_GROUP_SIZES, DEFAULT_HEAVY_LENGTH, DEFAULT_KEY_AXES,
                     DEFAULT_KEY_CORRECTION_RANK, DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS,
                     DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS, DEFAULT_SINK_LENGTHS, DEFAULT_TRIALS, SearchSpace, DEFAULT_STREAM_WINDOW)
@@ -689,8 +690,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     use; paid in bpv, so the search lowers slot bits to fit them; default ``DEFAULT_HEAVY_LENGTH``).
     ``stream_window``: ``W > 0`` lets the search stream KV heads (plans' bits 0: no codes, the head attends
     to the sink, copies of its newest ``W`` committed tokens and the residual; :mod:`.streaming`): the
-    profile also measures each full-attention head streamed alone, the damage model chooses the streamed
-    heads at the budget before the search, and the search allocates the other slots; ``0`` turns it off.
+    profile also measures each full-attention head streamed alone, two more evaluations put those damages
+    on the quantized slots' scale (:func:`.streaming.calibrate_streaming`), the damage model chooses the
+    streamed heads at the budget before the search, and the search allocates the other slots; ``0``
+    turns it off.
     ``None`` (default): ``DEFAULT_STREAM_WINDOW`` where the search can stream (granularity ``"slot"``, no
     ``heavy_length``, a sensitivity profile to choose by), else 0.
     ``error_feedback``: every searched plan carries a ``feedback_metric`` (learned from the same
@@ -966,6 +969,15 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
                                                stream_window)
                 n_profile_evals += len(stream)
                 prof = {**prof, **stream}
+            if not any(k in prof for k in (STREAM_SCALE_KEY, *STREAM_PARTS_KEYS)):
+                calibration = calibrate_streaming(getattr(scorer, "score_profile_plan", scorer), space, reference,
+                                                  prof, stream_window, min(budgets))
+                n_profile_evals += sum(k in calibration for k in STREAM_PARTS_KEYS)
+                prof = {**prof, **calibration}
+                if STREAM_SCALE_KEY in calibration:
+                    say(f"streaming damage scale {calibration[STREAM_SCALE_KEY]:.3g} (the damage model's optimum, "
+                        f"measured: quantized slots {calibration[STREAM_PARTS_KEYS[0]]:.4g}, streamed heads "
+                        f"{calibration[STREAM_PARTS_KEYS[1]]:.4g} KL)")
             streamed = choose_streamed(space, reference, prof, stream_window, min(budgets))
             say(f"streamed KV heads (window {stream_window}): {len(streamed)} of "
                 f"{sum(t == 'full' for t in geometry.layer_types) * geometry.num_kv_heads}")
@@ -1066,8 +1078,9 @@ def _finalize(*, study, space, s, budgets, multi, granularity, seed, study_name,
     curve, front = _curve_and_front(done)
     run_id = uuid.uuid4().hex[:16]
     plans: dict[float, Plan] = {}
-    base_metrics = {"search": {"granularity": granularity, "n_trials": len(done), "n_profile_evals":
-                               len(prof) if prof else 0, "seed": seed, "study_name": study_name,
+    n_profile = len(prof) - (STREAM_SCALE_KEY in prof) if prof else 0  # every other entry is a measured KL
+    base_metrics = {"search": {"granularity": granularity, "n_trials": len(done), "n_profile_evals": n_profile,
+                               "seed": seed, "study_name": study_name,
                                "surrogate": s.use_surrogate, "run_id": run_id}}
     for b in sorted(budgets):
         fits = sorted((t for t in done if t.user_attrs["kvplan.bpv"] <= b + EPS), key=lambda t: (t.values[0], t.number))

@@ -21,13 +21,13 @@ against 0.0403 without (``bench/gemma3.md``).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 import numpy as np
 
 from ..kernels.qtypes import FULL_PRECISION_BITS, STREAMED
-from ..plans import Plan, Provenance, Reference
+from ..plans import Plan, Provenance, QuantizerSettings, Reference
 from ..plans.accounting import committed_length, stream_tokens
 from .budget import BpvModel, greedy_knapsack, group_damage
 from .sensitivity import correction_factor, profile_quantizer, slot_sensitivity
@@ -75,16 +75,32 @@ def run_streaming_profile(score: Callable[[Plan], Mapping], space: SearchSpace, 
     return out
 
 
-def choose_streamed(space: SearchSpace, reference: Reference, profile: Mapping[str, float], stream_window: int,
-                    budget: float) -> list[tuple[int, int]]:
-    """The KV heads the damage model streams at ``budget``: for each quantizer setting of ``space`` the
+# profile entries of the streaming calibration (:func:`calibrate_streaming`)
+STREAM_SCALE_KEY = "streaming.scale"
+STREAM_PARTS_KEYS = ("streaming.quantized_part", "streaming.streamed_part")
+
+
+@dataclass
+class StreamingOptimum:
+    """The damage model's best plan with streamed heads at a budget (:func:`streaming_optimum`)."""
+
+    predicted: float  # its predicted damage (streaming damages scaled as asked)
+    heads: list[tuple[int, int]]  # the streamed (layer, KV head)s
+    quantizer: QuantizerSettings  # the quantizer setting it was found for
+    table: np.ndarray  # its slot codes [L, H_kv, 2, M] (STREAMED for the streamed heads)
+    quantized_damage: float  # predicted damage of its quantized slots
+    streamed_damage: float  # the profile's damage of its streamed heads, unscaled
+
+
+def streaming_optimum(space: SearchSpace, reference: Reference, profile: Mapping[str, float], stream_window: int,
+                      budget: float, stream_scale: float = 1.0) -> StreamingOptimum | None:
+    """The damage model's optimum over KV heads at ``budget``: for each quantizer setting of ``space`` the
     greedy knapsack over heads (options: every key level x value level of the head's slots, and
-    streaming, at its measured damage and its window copies' cost), over the settings that keep at least
-    the sink the damage was measured with; the heads of the setting whose optimum has the least
-    predicted damage. ``[]`` when streaming pays nowhere (or nothing is
-    measured)."""
+    streaming, at its measured damage times ``stream_scale`` and its window copies' cost), over the
+    settings that keep at least the sink the damage was measured with; the setting whose optimum has
+    the least predicted damage. ``None`` when nothing is measured or no setting fits."""
     if space.granularity != "slot" or not any(k.startswith("L") and ".stream.h" in k for k in profile):
-        return []
+        return None
     model = BpvModel(space, reference)
     damage = group_damage(space, slot_sensitivity(space, profile), correction_factor(profile))
     g = space.geometry
@@ -104,16 +120,16 @@ def choose_streamed(space: SearchSpace, reference: Reference, profile: Mapping[s
         fp_bytes = reference.full_precision_bits // 8
         copy_cost = (8.0 * 2 * stream_tokens(C, stream_window, q.recent_length, q.sink_length)
                      * q.residual_token_bytes(g.head_dim, fp_bytes) / model.n_values(q))  # K and V of one head
-        options = []  # per (layer, head): [(cost, damage, streamed)]
+        options = []  # per (layer, head): [(cost, damage, (key level, value level) or None: streamed)]
         for l in range(L):
             for h in range(H):
                 gk = [slot_group[l, h, 0, m] for m in range(M)]
                 gv = [slot_group[l, h, 1, m] for m in range(M)]
                 opts = [(sum(terms.group_cost[gi, lk] for gi in gk) + sum(terms.group_cost[gi, lv] for gi in gv),
-                         sum(damage[gi, lk] for gi in gk) + sum(damage[gi, lv] for gi in gv), False)
+                         sum(damage[gi, lk] for gi in gk) + sum(damage[gi, lv] for gi in gv), (lk, lv))
                         for lk in range(space.groups[gk[0]].n_levels) for lv in range(space.groups[gv[0]].n_levels)]
                 if (l, h) in heads:
-                    opts.append((copy_cost, float(max(profile[stream_key(l, h)], 0.0)), True))
+                    opts.append((copy_cost, stream_scale * float(max(profile[stream_key(l, h)], 0.0)), None))
                 options.append(sorted(opts, key=lambda o: (o[0], o[1])))
         n = max(len(o) for o in options)
         cost = np.full((len(options), n), np.inf)
@@ -126,7 +142,63 @@ def choose_streamed(space: SearchSpace, reference: Reference, profile: Mapping[s
             continue
         choice = greedy_knapsack(cost, dmg, slack)
         predicted = float(dmg[np.arange(len(options)), choice].sum())
-        streamed = [(i // H, i % H) for i, j in enumerate(choice) if options[i][j][2]]
-        if best is None or predicted < best[0]:
-            best = (predicted, streamed)
-    return [] if best is None else best[1]
+        if best is not None and predicted >= best.predicted:
+            continue
+        levels = np.zeros(len(space.groups), dtype=np.int64)
+        streamed, quantized_damage, streamed_damage = [], 0.0, 0.0
+        for i, j in enumerate(choice):
+            l, h = divmod(i, H)
+            lk_lv = options[i][j][2]
+            if lk_lv is None:
+                streamed.append((l, h))
+                streamed_damage += float(max(profile[stream_key(l, h)], 0.0))
+                continue
+            quantized_damage += options[i][j][1]
+            for m in range(M):
+                levels[slot_group[l, h, 0, m]], levels[slot_group[l, h, 1, m]] = lk_lv
+        table = space.table_of_levels(levels)
+        for l, h in streamed:
+            table[l, h] = STREAMED
+        best = StreamingOptimum(predicted, streamed, q, table, quantized_damage, streamed_damage)
+    return best
+
+
+def choose_streamed(space: SearchSpace, reference: Reference, profile: Mapping[str, float], stream_window: int,
+                    budget: float) -> list[tuple[int, int]]:
+    """The KV heads the damage model streams at ``budget`` (:func:`streaming_optimum`), the streaming
+    damages scaled by the profile's calibration (``STREAM_SCALE_KEY``, :func:`calibrate_streaming`; 1
+    without it). ``[]`` when streaming pays nowhere (or nothing is measured)."""
+    opt = streaming_optimum(space, reference, profile, stream_window, budget,
+                            float(profile.get(STREAM_SCALE_KEY, 1.0)))
+    return [] if opt is None else opt.heads
+
+
+def calibrate_streaming(score: Callable[[Plan], Mapping], space: SearchSpace, reference: Reference,
+                        profile: Mapping[str, float], stream_window: int, budget: float) -> dict[str, float]:
+    """Put the streaming damages on the scale of the quantized slots' damage, by two real evaluations.
+
+    The two come from different extrapolations: a streamed head's damage is measured as it is used
+    (the head streamed alone), a quantized slot's is its 2-bit unit's share, scaled to its level by
+    the prior; on the default model the prior overstates the quantized slots of a whole plan ~2.5x
+    while the streamed heads' damages add up as measured, so the uncalibrated model streams too many
+    heads. Both parts of the damage model's optimum are scored (its quantized slots with the
+    streamed heads at 16 bits, and its streamed heads with every other slot at 16 bits);
+    the scale is ``(measured / predicted streamed) / (measured / predicted quantized)``, clipped to
+    ``[1/16, 16]``. Returns the profile entries (``STREAM_SCALE_KEY``, ``STREAM_PARTS_KEYS``); ``{}``
+    when the optimum streams no head or every head (nothing to compare)."""
+    opt = streaming_optimum(space, reference, profile, stream_window, budget)
+    if opt is None or not opt.heads or opt.quantized_damage <= 0 or opt.streamed_damage <= 0:
+        return {}
+    streamed = opt.table == STREAMED
+    q = replace(opt.quantizer, stream_window=stream_window)
+    prov = Provenance(produced_by="kvplan search profile")
+    parts = {STREAM_PARTS_KEYS[0]: np.where(streamed, FULL_PRECISION_BITS, opt.table),
+             STREAM_PARTS_KEYS[1]: np.where(streamed, STREAMED, FULL_PRECISION_BITS)}
+    out = {name: float(score(space.plan_of_table(table, q, reference, provenance=prov))["kl"])
+           for name, table in parts.items()}
+    quantized, streamed_kl = (max(out[k], 0.0) for k in STREAM_PARTS_KEYS)
+    if quantized <= 0:
+        return out
+    scale = (streamed_kl / opt.streamed_damage) / (quantized / opt.quantized_damage)
+    out[STREAM_SCALE_KEY] = float(np.clip(scale, 1 / 16, 16))
+    return out

@@ -1,6 +1,8 @@
 """search(stream_window=W): the profile measures each KV head streamed alone, the damage model picks the
 streamed heads at the budget, and the search allocates the other slots."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -106,3 +108,60 @@ def test_sliding_layers_stream_where_their_window_holds_the_copies():
     assert too_long.streamable_layers(8) == (0,)
     with pytest.raises(KVPlanError, match="layer 1 is a sliding layer of window 48"):
         SearchSpace(hybrid, ("text",), "slot", group_sizes=(32, 64), streamed_heads=[(1, 0)], stream_window=8, **kw)
+
+
+class CompoundingScorer(StreamingScorer):
+    """Each head streamed alone does half its slots' 2-bit damage; several streamed together do
+    ``factor`` times the sum (an interaction the single-head profile cannot see)."""
+
+    def __init__(self, factor):
+        super().__init__([])
+        self.factor = factor
+        two_bits = 1e-3 * 2.0 * (self.w[:, :, 0, 0] + self.w[:, :, 1, 0])  # group 128: sqrt(128 / 32)
+        self.stream_damage = 0.5 * two_bits
+
+    def __call__(self, plan):
+        codes = plan.code_table()
+        streamed = (codes == STREAMED)[:, :, 0, 0]
+        out = SyntheticScorer.__call__(self, plan.with_table(np.where(codes == STREAMED, 16, codes)))
+        out["kl"] += float(self.stream_damage[streamed].sum()) * (self.factor if streamed.sum() > 1 else 1.0)
+        return out
+
+
+def test_calibration_scales_the_streaming_damage_by_two_real_evaluations():
+    """calibrate_streaming scores the damage model's optimum in two parts (its quantized slots with the
+    streamed heads at 16 bits, its streamed heads with every other slot at 16 bits) and scales the
+    streaming damages by how far each part's prediction missed; where streamed heads compound, the
+    calibrated model streams fewer heads and its optimum reads lower real KL."""
+    from kvplan.search.sensitivity import run_profile
+    from kvplan.search.space import SearchSpace
+    from kvplan.search.streaming import (STREAM_PARTS_KEYS, STREAM_SCALE_KEY, calibrate_streaming, choose_streamed,
+                                         run_streaming_profile, streaming_optimum)
+
+    scorer = CompoundingScorer(factor=4.0)
+    space = SearchSpace(GEOM, ("text",), "slot", group_sizes=(128,), residual_lengths=(0,), sink_lengths=(1,))
+    profile = run_profile(scorer, space, REF)
+    profile.update(run_streaming_profile(scorer, space, REF, 8))
+    budget = 2.3
+    plain = streaming_optimum(space, REF, profile, 8, budget)
+    assert len(plain.heads) >= 2
+    calls = scorer.calls
+    cal = calibrate_streaming(scorer, space, REF, profile, 8, budget)
+    assert scorer.calls == calls + 2
+    streamed_part = cal[STREAM_PARTS_KEYS[1]]
+    assert streamed_part == pytest.approx(4.0 * plain.streamed_damage)
+    quantized = np.where(plain.table == STREAMED, 16, plain.table)
+    assert cal[STREAM_PARTS_KEYS[0]] == pytest.approx(scorer(space.plan_of_table(quantized, plain.quantizer, REF))["kl"])
+    want = (streamed_part / plain.streamed_damage) / (cal[STREAM_PARTS_KEYS[0]] / plain.quantized_damage)
+    assert cal[STREAM_SCALE_KEY] == pytest.approx(want) and cal[STREAM_SCALE_KEY] > 1
+    calibrated = streaming_optimum(space, REF, profile, 8, budget, cal[STREAM_SCALE_KEY])
+    assert choose_streamed(space, REF, {**profile, **cal}, 8, budget) == calibrated.heads
+    assert len(calibrated.heads) < len(plain.heads)
+
+    def real(opt):
+        return scorer(space.plan_of_table(opt.table, replace(opt.quantizer, stream_window=8), REF))["kl"]
+
+    assert real(calibrated) < real(plain)
+    # nothing to compare where the optimum streams no head
+    assert calibrate_streaming(scorer, space, REF, {k: v for k, v in profile.items() if ".stream." not in k}, 8,
+                               budget) == {}
