@@ -10,8 +10,10 @@ Which heads: the profile measures each full-attention KV head streamed alone, ev
 full precision (``L07.stream.h2``: the same units as the sensitivity profile's one-unit KLs), and the
 search's additive damage model picks them: a knapsack over KV heads whose options are every
 (key level, value level) pair of the space and streaming, at the search's budget
-(``bench/streaming_heads_probe.py`` measured this choice on the validation split). The chosen set is
-fixed for the whole search (the space's streamed slots have one level); the search allocates the rest.
+(``bench/streaming_heads_probe.py`` measured this choice on the validation split), once two real
+evaluations have put the streaming damages on the quantized slots' scale (:func:`calibrate_streaming`;
+chosen on validation, ``bench/search.md``). The chosen set is fixed for the whole search (the space's
+streamed slots have one level); the search allocates the rest.
 
 Sliding-window layers: a plan may stream their heads where the window holds the copies
 (:func:`~kvplan.plans.accounting.stream_fits_window`), but the search does not profile them: on
@@ -179,9 +181,9 @@ def calibrate_streaming(score: Callable[[Plan], Mapping], space: SearchSpace, re
 
     The two come from different extrapolations: a streamed head's damage is measured as it is used
     (the head streamed alone), a quantized slot's is its 2-bit unit's share, scaled to its level by
-    the prior; on the default model the prior overstates the quantized slots of a whole plan ~2.5x
-    while the streamed heads' damages add up as measured, so the uncalibrated model streams too many
-    heads. Both parts of the damage model's optimum are scored (its quantized slots with the
+    the prior; on the default model the prior overstates the quantized slots of a whole plan 1.5-2.7x
+    (by quantizer setting) while the streamed heads' damages add up as measured
+    (``bench/damage_additivity.py``), so the uncalibrated model streams too many heads. Both parts of the damage model's optimum are scored (its quantized slots with the
     streamed heads at 16 bits, and its streamed heads with every other slot at 16 bits);
     the scale is ``(measured / predicted streamed) / (measured / predicted quantized)``, clipped to
     ``[1/16, 16]``. Returns the profile entries (``STREAM_SCALE_KEY``, ``STREAM_PARTS_KEYS``); ``{}``
