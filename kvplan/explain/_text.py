@@ -205,6 +205,16 @@ def _measured(rep: dict, L: list[str]) -> None:
 
         L.append(f"search: granularity {g('granularity')}, {g('n_trials')} trials (+{g('n_profile_evals', 0)} "
                  f"profile evaluations), seed {g('seed')}, chosen trial {g('trial')} ({g('source')})")
+    profile = (rep.get("search") or {}).get("profile") or {}
+    scale = number(profile.get("streaming.scale"))
+    if scale is not None:
+        def kl(key: str) -> str:
+            v = number(profile.get(key))
+            return "?" if v is None else f"{v:.4g}"
+
+        L.append(f"streamed heads chosen with the streaming damages scaled by {scale:.3g}, calibrated by scoring the "
+                 f"damage model's optimum in two parts: quantized slots KL {kl('streaming.quantized_part')}, "
+                 f"streamed heads KL {kl('streaming.streamed_part')}")
 
 
 def _importance(rep: dict, L: list[str]) -> None:

@@ -49,9 +49,13 @@ def test_cheap_heads_are_streamed_and_the_rest_searched(tmp_path):
     assert plan.quantizer.stream_window == 8 and plan.bpv().total <= 2.3 + 1e-9
     assert all(stream_key(l, h) in result.profile for l in range(GEOM.num_layers) for h in range(GEOM.num_kv_heads))
     # explain reads the trial history (streamed slots say 0) into its importance ranking
-    from kvplan.explain import report
+    from kvplan.explain import render_text, report
 
-    assert report(tmp_path / "plan.yaml").get("importance"), "the trial history was not read"
+    rep = report(tmp_path / "plan.yaml")
+    assert rep.get("importance"), "the trial history was not read"
+    # the streaming damages were calibrated by two real evaluations, and explain says by how much
+    scale = result.profile["streaming.scale"]
+    assert f"streamed heads chosen with the streaming damages scaled by {scale:.3g}" in render_text(rep)
     # every real evaluation of the study kept the same heads streamed
     for t in result.study.get_trials():
         assert not any(name.startswith(("L01.H0", "L04.H1")) for name in t.params), t.params
