@@ -68,6 +68,15 @@ def search_profile(plan_path: str) -> dict:
         return json.load(f)["profile"]
 
 
+def predicted_damage(space: SearchSpace, damage: np.ndarray, plan: Plan) -> float:
+    """The search's additive damage model of ``plan``: its slots' ``damage`` (``group_damage`` of ``space``) at
+    their levels; exits when the plan's bit table is not in ``space``."""
+    levels = space.levels_of_table(plan.code_table())
+    if levels is None:
+        raise SystemExit(f"{plan.name}: its bit table is not in the slot search space")
+    return float(damage[np.arange(len(levels)), levels].sum())
+
+
 def lowered_to(plan: Plan, profile: dict, budget: float) -> Plan:
     """``plan`` with its slot bits lowered by the search's own repair (least predicted damage per bpv
     first, the damage model of ``profile``) until it fits ``budget``; its quantizer as it is."""
@@ -107,10 +116,7 @@ def main() -> None:
     q = searched.quantizer
 
     def predicted(plan: Plan) -> float:
-        levels = space.levels_of_table(plan.code_table())
-        if levels is None:
-            raise SystemExit(f"{plan.name}: its bit table is not in the slot search space")
-        return float(damage[np.arange(len(levels)), levels].sum())
+        return predicted_damage(space, damage, plan)
 
     optimum_levels = knapsack_seed(model, q, budget, damage)
     optimum = space.plan_of_table(space.table_of_levels(optimum_levels), q, searched.reference).replace(

@@ -30,13 +30,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.allocation_ceiling import plan_space, search_profile  # noqa: E402
+from bench.allocation_ceiling import plan_space, predicted_damage, search_profile  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import STREAMED, atomic_write_text  # noqa: E402
 from kvplan.search.budget import group_damage  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
 from kvplan.search.sensitivity import correction_factor, slot_sensitivity  # noqa: E402
-from kvplan.search.streaming import stream_key  # noqa: E402
+from kvplan.search.streaming import stream_key, streaming_parts  # noqa: E402
 
 
 def main() -> None:
@@ -51,18 +51,17 @@ def main() -> None:
     plan = Plan.from_yaml(args.plan)
     profile = search_profile(args.plan)
     table = plan.code_table()  # [L, H_kv, 2, M]
-    streamed = table == STREAMED
-    heads = [(int(l), int(h)) for l, h in np.argwhere(streamed[:, :, 0, 0])]
+    heads = [(int(l), int(h)) for l, h in np.argwhere((table == STREAMED)[:, :, 0, 0])]
     if not heads:
         raise SystemExit(f"{args.plan}: the plan streams no KV head")
-    quantized_only = plan.with_table(np.where(streamed, 16, table)).replace(name="quantized-slots-only", metrics={})
-    streamed_only = plan.with_table(np.where(streamed, STREAMED, 16)).replace(name="streamed-heads-only", metrics={})
+    quantized_table, streamed_table = streaming_parts(table)  # the parts the search's calibration scores
+    quantized_only = plan.with_table(quantized_table).replace(name="quantized-slots-only", metrics={})
+    streamed_only = plan.with_table(streamed_table).replace(name="streamed-heads-only", metrics={})
 
     space = plan_space(quantized_only)
     damage = group_damage(space, slot_sensitivity(space, profile), correction_factor(profile))
-    levels = space.levels_of_table(quantized_only.code_table())
     predicted = {"streamed": sum(max(profile[stream_key(l, h)], 0.0) for l, h in heads),
-                 "quantized": float(damage[np.arange(len(levels)), levels].sum())}
+                 "quantized": predicted_damage(space, damage, quantized_only)}
     predicted["whole"] = predicted["streamed"] + predicted["quantized"]
 
     calibration = task_scorers(args.model, n_validation=0, n_test=0, progress=False).calibration

@@ -182,8 +182,9 @@ class SearchSpace:
                     raise KVPlanError(f"streamed head ({l}, {h}) is not a (layer, KV head) of this model")
             self.fixed_fields["stream_window"] = int(stream_window)
             QuantizerSettings(**self.fixed_fields)
+            streamable = self.streamable_layers()
             for l, h in self.streamed_heads:
-                if l not in self.streamable_layers():
+                if l not in streamable:
                     raise KVPlanError(f"streamed head ({l}, {h}): layer {l} is a sliding layer of window "
                                       f"{geometry.window(l)}, too short for the copies of a streamed head under "
                                       "every quantizer setting of the space")

@@ -82,6 +82,13 @@ STREAM_SCALE_KEY = "streaming.scale"
 STREAM_PARTS_KEYS = ("streaming.quantized_part", "streaming.streamed_part")
 
 
+def streaming_parts(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A slot-code table ``[L, H_kv, 2, M]`` with streamed heads split in two: its quantized slots alone (the
+    streamed heads at 16 bits) and its streamed heads alone (every other slot at 16 bits)."""
+    streamed = table == STREAMED
+    return (np.where(streamed, FULL_PRECISION_BITS, table), np.where(streamed, STREAMED, FULL_PRECISION_BITS))
+
+
 @dataclass
 class StreamingOptimum:
     """The damage model's best plan with streamed heads at a budget (:func:`streaming_optimum`)."""
@@ -183,21 +190,17 @@ def calibrate_streaming(score: Callable[[Plan], Mapping], space: SearchSpace, re
     (the head streamed alone), a quantized slot's is its 2-bit unit's share, scaled to its level by
     the prior; on the default model the prior overstates the quantized slots of a whole plan 1.5-2.7x
     (by quantizer setting) while the streamed heads' damages add up as measured
-    (``bench/damage_additivity.py``), so the uncalibrated model streams too many heads. Both parts of the damage model's optimum are scored (its quantized slots with the
-    streamed heads at 16 bits, and its streamed heads with every other slot at 16 bits);
-    the scale is ``(measured / predicted streamed) / (measured / predicted quantized)``, clipped to
+    (``bench/damage_additivity.py``), so the uncalibrated model streams too many heads. Both parts of the
+    damage model's optimum (:func:`streaming_parts`) are scored; the scale is ``(measured / predicted streamed) / (measured / predicted quantized)``, clipped to
     ``[1/16, 16]``. Returns the profile entries (``STREAM_SCALE_KEY``, ``STREAM_PARTS_KEYS``); ``{}``
     when the optimum streams no head or every head (nothing to compare)."""
     opt = streaming_optimum(space, reference, profile, stream_window, budget)
     if opt is None or not opt.heads or opt.quantized_damage <= 0 or opt.streamed_damage <= 0:
         return {}
-    streamed = opt.table == STREAMED
     q = replace(opt.quantizer, stream_window=stream_window)
     prov = Provenance(produced_by="kvplan search profile")
-    parts = {STREAM_PARTS_KEYS[0]: np.where(streamed, FULL_PRECISION_BITS, opt.table),
-             STREAM_PARTS_KEYS[1]: np.where(streamed, STREAMED, FULL_PRECISION_BITS)}
     out = {name: float(score(space.plan_of_table(table, q, reference, provenance=prov))["kl"])
-           for name, table in parts.items()}
+           for name, table in zip(STREAM_PARTS_KEYS, streaming_parts(opt.table))}
     quantized, streamed_kl = (max(out[k], 0.0) for k in STREAM_PARTS_KEYS)
     if quantized <= 0:
         return out

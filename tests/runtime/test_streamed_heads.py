@@ -1,6 +1,8 @@
 """Streamed KV heads (slots at bits 0, quantizer.stream_window): no codes; the head attends to the
 sink positions, copies of its newest committed tokens and the residual only."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -59,14 +61,34 @@ def test_bytes_equal_the_plan_in_a_sliding_layer(bits):
     assert cache.layers[1].dropped >= 64
 
 
-def _masked_reference(model, ids, n_history: int, hidden: tuple[int, int], heads):
-    """Logits of ``ids[n_history:]`` after the full-precision history, with positions ``[a, b)`` hidden
-    from the query heads of the streamed KV ``heads`` [(layer, head)]: SDPA with a per-head mask."""
+@contextlib.contextmanager
+def _attending_with(model, name: str, allowed_mask):
+    """``model`` attends through SDPA with the bool mask ``allowed_mask(module, query, key)`` ``[B, Hq, Tq, T]``
+    (True = attend), registered as ``name``, without gradients; its own attention comes back after."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def masked(module, query, key, value, attention_mask, **kwargs):
+        kwargs["is_causal"] = False
+        return sdpa_attention_forward(module, query, key, value, allowed_mask(module, query, key), **kwargs)
+
+    AttentionInterface.register(name, masked)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _masked_reference(model, ids, n_history: int, hidden: tuple[int, int], heads):
+    """Logits of ``ids[n_history:]`` after the full-precision history, with positions ``[a, b)`` hidden
+    from the query heads of the streamed KV ``heads`` [(layer, head)]: SDPA with a per-head mask."""
+
+    def allowed_mask(module, query, key):
         B, Hq, Tq, _ = query.shape
         T = key.shape[2]
         allowed = torch.ones(Tq, T, dtype=torch.bool).tril(T - Tq).expand(B, Hq, Tq, T).clone()
@@ -75,19 +97,11 @@ def _masked_reference(model, ids, n_history: int, hidden: tuple[int, int], heads
             for layer, head in heads:
                 if layer == module.layer_idx:
                     allowed[:, head * rep:(head + 1) * rep, :, hidden[0]:hidden[1]] = False
-        kwargs["is_causal"] = False
-        return sdpa_attention_forward(module, query, key, value, allowed, **kwargs)
+        return allowed
 
-    AttentionInterface.register("test_streamed_reference", masked)
-    AttentionMaskInterface.register("test_streamed_reference", sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("test_streamed_reference")
-    try:
-        with torch.no_grad():
-            out = model(input_ids=ids[:, :n_history], use_cache=True)
-            return model(input_ids=ids[:, n_history:], cache=out.past_key_values).logits
-    finally:
-        model.set_attn_implementation(previous)
+    with _attending_with(model, "test_streamed_reference", allowed_mask):
+        out = model(input_ids=ids[:, :n_history], use_cache=True)
+        return model(input_ids=ids[:, n_history:], cache=out.past_key_values).logits
 
 
 @pytest.mark.parametrize("attention", ["dequantize"] + KERNELS)
@@ -127,13 +141,9 @@ def _sliding_masked_reference(model, ids, n_history: int, hidden: tuple[int, int
     """Logits of ``ids[n_history:]`` from one full-precision forward over all of ``ids`` whose mask is built
     by absolute position: causal, sliding layers see their newest ``window`` positions, and the query heads
     of the streamed KV ``heads`` [(layer, head)] do not see ``[a, b)`` from ``n_history`` on."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     types = Geometry.of(model).layer_types
 
-    def masked(module, query, key, value, attention_mask, **kwargs):
+    def allowed_mask(module, query, key):
         B, Hq, T, _ = query.shape
         i = torch.arange(T)[:, None]
         j = torch.arange(T)[None, :]
@@ -145,18 +155,10 @@ def _sliding_masked_reference(model, ids, n_history: int, hidden: tuple[int, int
         for layer, head in heads:
             if layer == module.layer_idx:
                 allowed[:, head * rep:(head + 1) * rep, n_history:, hidden[0]:hidden[1]] = False
-        kwargs["is_causal"] = False
-        return sdpa_attention_forward(module, query, key, value, allowed, **kwargs)
+        return allowed
 
-    AttentionInterface.register("test_streamed_sliding_reference", masked)
-    AttentionMaskInterface.register("test_streamed_sliding_reference", sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("test_streamed_sliding_reference")
-    try:
-        with torch.no_grad():
-            return model(input_ids=ids, use_cache=False).logits[:, n_history:]
-    finally:
-        model.set_attn_implementation(previous)
+    with _attending_with(model, "test_streamed_sliding_reference", allowed_mask):
+        return model(input_ids=ids, use_cache=False).logits[:, n_history:]
 
 
 @pytest.mark.parametrize("attention", ["dequantize"] + KERNELS)
