@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from bench.allocation_ceiling import plan_space, search_profile  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
-from kvplan.search.scorers import task_scorers  # noqa: E402
+from kvplan.search.scorers import DEFAULT_SAMPLES, task_scorers  # noqa: E402
 from kvplan.search.space import (DEFAULT_GROUP_SIZES, DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_LENGTHS,  # noqa: E402
                                  DEFAULT_SINK_LENGTHS)
 from kvplan.search.streaming import STREAM_SCALE_KEY, streaming_optimum  # noqa: E402
@@ -40,7 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("plan")
     ap.add_argument("--model", default="smollm2-135m", help="the model the plan was searched on")
-    ap.add_argument("--scales", default="1,1.43,2,2.8,4", help="streaming damage scales, comma-separated")
+    ap.add_argument("--scales", default="1,1.43,2,2.6,3.5,5", help="streaming damage scales, comma-separated")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "streaming_scale_probe.md"))
     args = ap.parse_args()
@@ -51,7 +51,7 @@ def main() -> None:
     window = plan.quantizer.stream_window
     space = plan_space(plan, group_sizes=DEFAULT_GROUP_SIZES, residual_lengths=DEFAULT_RESIDUAL_LENGTHS,
                        sink_lengths=DEFAULT_SINK_LENGTHS, recent_lengths=DEFAULT_RECENT_LENGTHS)
-    budget = float(plan.target_bpv)
+    budget = plan.target_bpv or plan.bpv().total
     scorers = task_scorers(args.model, n_test=0, progress=False)
     rows = []
     for f in [float(x) for x in args.scales.split(",")]:
@@ -66,7 +66,8 @@ def main() -> None:
     lines = [f"# Streaming damage scale: the damage model's optimum at each scale ({plan.name}'s profile)", "",
              f"Command: `python bench/streaming_scale_probe.py {' '.join(sys.argv[1:])}` at commit {commit} "
              f"(method in the script's docstring; the search calibrated {profile.get(STREAM_SCALE_KEY)}). "
-             "Calibration 12 samples, validation 16; no trial of the search, only the knapsack optimum.", "",
+             f"Calibration {DEFAULT_SAMPLES['calibration']} samples, validation {DEFAULT_SAMPLES['validation']}; "
+             "no trial of the search, only the knapsack optimum.", "",
              "| scale | streamed heads | quantizer (group, residual, sink, recent) | honest bpv | predicted | "
              "calibration KL | validation KL |", "|---:|---:|---|---:|---:|---:|---:|"]
     for f, n, q, bpv, pred, cal, val in rows:
