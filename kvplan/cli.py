@@ -78,7 +78,7 @@ def _cmd_search(args) -> int:
     if args.recent_lengths is not None:
         extra["recent_lengths"] = tuple(args.recent_lengths)
     if args.head_profile is not None:
-        extra["profile_head_units"] = args.head_profile
+        extra["profile_head_units"] = None if args.head_profile == "all" else args.head_profile
     if args.no_profile:
         extra["profile"] = False
     if args.key_correction_rank is not None:
@@ -186,6 +186,11 @@ def _int_at_least(minimum: int):
 _positive, _non_negative = _int_at_least(1), _int_at_least(0)
 
 
+def _head_units(text: str) -> int | str:
+    """``--head-profile``: a whole number >= 0, or ``all``."""
+    return "all" if text == "all" else _non_negative(text)
+
+
 SPLIT_CHOICES = ["calibration", "validation", "test", "heldout", "all"]
 
 
@@ -273,9 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-profile", action="store_true",
                    help="skip the sensitivity profile (2 evaluations per layer before the trials): faster, "
                         "but the knapsack seed and the surrogate lose its damage prior")
-    s.add_argument("--head-profile", type=int, default=None, metavar="UNITS",
+    s.add_argument("--head-profile", type=_head_units, default=None, metavar="UNITS",
                    help="profile the KV heads of this many most damaging (layer, K/V) units one by one "
-                        "(slot granularity; default 12, 0 = off)")
+                        "(slot granularity; default: all of them, chosen on the validation split; 0 = off)")
     s.add_argument("--key-correction-rank", type=int, default=None, metavar="R",
                    help="let 2-bit key slots also store a rank-R HeadQ-style correction of their error in "
                         "per-head query bases learned on the calibration samples (default: "

@@ -109,3 +109,33 @@ def test_search_budget_below_cheapest_fails_fast():
     r = _kvplan("search", "--budget", "1.5bpv", "--samples", "2", "--history-tokens", "96", "--quiet")
     assert r.returncode == 2
     assert "cheapest reachable plan" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("value,expected", [("all", None), ("0", 0), ("7", 7), (None, "unset")])
+def test_search_head_profile_option_reaches_the_search(monkeypatch, tmp_path, value, expected):
+    """``--head-profile all`` asks for every unit (``None``), a number for that many; without it the
+    search's own default applies (the option passes nothing)."""
+    import types
+
+    import kvplan.search
+    import kvplan.search.scorers
+    from kvplan.cli import main
+
+    seen = {}
+
+    def fake_search(**kwargs):
+        seen.update(kwargs)
+        return types.SimpleNamespace(finalized_by=None, plans={}, paths={}, n_real_evals=0, n_profile_evals=0,
+                                     elapsed_s=0.0)
+
+    monkeypatch.setattr(kvplan.search, "search", fake_search)
+    monkeypatch.setattr(kvplan.search.scorers, "task_scorers", lambda *a, **k: types.SimpleNamespace(
+        calibration=None, validation=None, test=None))
+    argv = ["search", "--quiet", "--out", str(tmp_path / "p.yaml")] + ([] if value is None else ["--head-profile", value])
+    assert main(argv) == 0
+    assert seen.get("profile_head_units", "unset") == expected
+
+
+def test_search_head_profile_rejects_a_negative_count():
+    r = _kvplan("search", "--head-profile", "-1")
+    assert r.returncode == 2 and "--head-profile" in r.stderr and "must be at least 0" in r.stderr

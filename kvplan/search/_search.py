@@ -640,7 +640,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            stream_window: int | None = None,
            error_feedback: bool | None = None, pareto: bool = False,
            profile: bool | Mapping[str, float] = True,
-           profile_head_units: int = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
+           profile_head_units: int | None = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
            surrogate_offset: bool = True,
            n_candidates: int = 4, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
            worker: int | None = None, progress: bool = True, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_S,
@@ -665,7 +665,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     ``profile``: run the sensitivity profile (``True``), skip it (``False``), or use a profile
     measured before on the same scorer (a name -> KL mapping, as in ``result.profile``).
     ``profile_head_units``: how many of the most damaging (layer, K/V) units the profile also
-    measures head by head (slot granularity only; 0 turns the per-head stage off).
+    measures head by head (slot granularity only; ``None``, the default: every unit; 0 turns the
+    per-head stage off).
     ``key_correction_rank``: ``r > 0`` lets key slots at the lowest bits also store a rank-``r``
     correction code (``key_correction_bits`` bits) in per-head query bases learned from the
     scorer's calibration samples (HeadQ-style; needs a scorer with ``model`` and

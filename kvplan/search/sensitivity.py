@@ -8,10 +8,12 @@ all layers, which splits a (layer, kind) sensitivity between modalities. That is
 
 When the space resolves KV heads (``granularity="slot"``), a second stage splits the most
 damaging (layer, kind) units by head: each head of the top ``head_units`` units alone at
-the lowest bits (``head_units * num_kv_heads`` more evaluations, 36 by default on SmolLM2).
-Damage is very uneven across the heads of one layer (on SmolLM2 one key head often carries
-80-95% of its layer's KL), and a per-head prior lets the knapsack seed protect that head
-instead of the whole layer at a third of the cost.
+the lowest bits (``head_units * num_kv_heads`` more evaluations; by default every unit,
+``2 * num_layers * num_kv_heads``: 180 on SmolLM2). Damage is very uneven across the heads of
+one layer (on SmolLM2 one key head often carries 80-95% of its layer's KL), and a per-head
+prior lets the knapsack seed protect that head instead of the whole layer at a third of the
+cost. A unit left out of this stage splits its damage evenly over its heads; measuring every
+unit instead of the 12 worst was chosen on the validation split (``bench/search.md``).
 
 A harness scorer runs each profile plan only from its first quantized layer on (the layers in
 front of it read the exact full-precision history; their outputs are recorded once and replayed,
@@ -35,7 +37,7 @@ from ..plans import CORRECTED, KINDS, Plan, Provenance, QuantizerSettings, Refer
 from .budget import DEFAULT_CORRECTION_FACTOR
 from .space import SearchSpace
 
-DEFAULT_HEAD_UNITS = 12  # (layer, kind) units whose heads the profile measures one by one
+DEFAULT_HEAD_UNITS: int | None = None  # (layer, kind) units whose heads the profile measures one by one; None: all
 
 
 def profile_units(space: SearchSpace) -> dict[str, np.ndarray]:
@@ -65,12 +67,14 @@ def profile_quantizer(space: SearchSpace) -> QuantizerSettings:
                              **space.fixed_fields)
 
 
-def head_units(space: SearchSpace, profile: Mapping[str, float], n_units: int) -> dict[str, np.ndarray]:
+def head_units(space: SearchSpace, profile: Mapping[str, float], n_units: int | None) -> dict[str, np.ndarray]:
     """Per-head masks ``"L20.k.h1"`` of the ``n_units`` most damaging (layer, kind) units of
-    ``profile``; empty unless the space has one parameter per KV head (``granularity="slot"``)."""
-    if space.granularity != "slot" or n_units <= 0 or space.shape[1] < 2:
-        return {}
+    ``profile`` (``None``: every unit); empty unless the space has one parameter per KV head
+    (``granularity="slot"``)."""
     L, H, _, _ = space.shape
+    n_units = 2 * L if n_units is None else n_units
+    if space.granularity != "slot" or n_units <= 0 or H < 2:
+        return {}
     layer_units = [(float(profile.get(f"L{l:02d}.{KINDS[k]}", 0.0)), l, k) for l in range(L) for k in range(2)]
     layer_units.sort(key=lambda u: (-u[0], u[1], u[2]))
     units: dict[str, np.ndarray] = {}
@@ -103,14 +107,15 @@ def profile_plans(space: SearchSpace, reference: Reference) -> dict[str, Plan]:
 
 def run_profile(score: Callable[[Plan], Mapping], space: SearchSpace, reference: Reference,
                 progress: Callable[[int, int], None] | None = None,
-                n_head_units: int = DEFAULT_HEAD_UNITS) -> dict[str, float]:
-    """Measure every unit, then the heads of the ``n_head_units`` worst (layer, kind) units;
-    returns name -> mean KL."""
+                n_head_units: int | None = DEFAULT_HEAD_UNITS) -> dict[str, float]:
+    """Measure every unit, then the heads of the ``n_head_units`` worst (layer, kind) units
+    (``None``: of every unit); returns name -> mean KL."""
     plans = profile_plans(space, reference)
-    n_heads = n_head_units * space.shape[1] if space.granularity == "slot" and space.shape[1] > 1 else 0
+    L, H = space.shape[:2]
+    n_units = 2 * L if n_head_units is None else min(max(n_head_units, 0), 2 * L)
+    n_heads = n_units * H if space.granularity == "slot" and H > 1 else 0
     recent = recent_plans(space, reference)
-    total = (len(plans) + min(n_heads, 2 * space.shape[0] * space.shape[1]) + (2 if space.corrects_keys else 0)
-             + len(recent))
+    total = len(plans) + n_heads + (2 if space.corrects_keys else 0) + len(recent)
     out: dict[str, float] = {}
 
     def measure(batch: Mapping[str, Plan]) -> None:

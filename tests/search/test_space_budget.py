@@ -199,6 +199,25 @@ def test_head_profile_finds_hot_heads_and_improves_the_seed():
     assert kl["fine"] < kl["coarse"]
 
 
+def test_head_profile_default_measures_every_unit_and_counts_its_progress():
+    """The default (``None``) measures every head of every (layer, kind) unit; a count above the
+    number of units is capped; the progress total is the number of evaluations actually made."""
+    from kvplan.search import run_profile
+    from tests.search.synthetic import SyntheticScorer
+
+    sp = SearchSpace(GEOM, MODS, "slot")
+    coarse = run_profile(SyntheticScorer(), sp, REF, n_head_units=0)
+    totals = []
+    every = run_profile(SyntheticScorer(), sp, REF, progress=lambda done, total: totals.append((done, total)))
+    n_heads = 2 * GEOM.num_layers * GEOM.num_kv_heads
+    assert len(every) - len(coarse) == n_heads
+    assert {f"L{l:02d}.{k}.h{h}" for l in range(GEOM.num_layers) for k in "kv"
+            for h in range(GEOM.num_kv_heads)} == set(every) - set(coarse)
+    assert totals[-1] == (len(every), len(every)) and {t for _, t in totals} == {len(every)}
+    capped = run_profile(SyntheticScorer(), sp, REF, n_head_units=10 * GEOM.num_layers)
+    assert capped == every
+
+
 def test_head_profile_only_where_heads_are_searched():
     from kvplan.search import run_profile
     from tests.search.synthetic import SyntheticScorer
