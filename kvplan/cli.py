@@ -278,9 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-profile", action="store_true",
                    help="skip the sensitivity profile (2 evaluations per layer before the trials): faster, "
                         "but the knapsack seed and the surrogate lose its damage prior")
-    s.add_argument("--head-profile", type=_head_units, default=None, metavar="UNITS",
-                   help="profile the KV heads of this many most damaging (layer, K/V) units one by one "
-                        "(slot granularity; default: all of them, chosen on the validation split; 0 = off)")
+    s.add_argument("--head-profile", type=_head_units, default=None, metavar="N|all",
+                   help="profile the KV heads of the N most damaging (layer, K/V) units one by one "
+                        "(slot granularity; default: all, chosen on the validation split; 0 = off)")
     s.add_argument("--key-correction-rank", type=int, default=None, metavar="R",
                    help="let 2-bit key slots also store a rank-R HeadQ-style correction of their error in "
                         "per-head query bases learned on the calibration samples (default: "
