@@ -67,13 +67,23 @@ def profile_quantizer(space: SearchSpace) -> QuantizerSettings:
                              **space.fixed_fields)
 
 
+def _n_head_units(space: SearchSpace, n_units: int | None) -> int:
+    """How many (layer, kind) units the per-head stage splits: ``n_units`` capped at the space's
+    ``2 * num_layers`` (``None``: all of them), 0 unless the space has one parameter per KV head
+    (``granularity="slot"`` with at least 2 KV heads)."""
+    L, H = space.shape[:2]
+    if space.granularity != "slot" or H < 2:
+        return 0
+    return 2 * L if n_units is None else min(max(n_units, 0), 2 * L)
+
+
 def head_units(space: SearchSpace, profile: Mapping[str, float], n_units: int | None) -> dict[str, np.ndarray]:
     """Per-head masks ``"L20.k.h1"`` of the ``n_units`` most damaging (layer, kind) units of
     ``profile`` (``None``: every unit); empty unless the space has one parameter per KV head
     (``granularity="slot"``)."""
     L, H, _, _ = space.shape
-    n_units = 2 * L if n_units is None else n_units
-    if space.granularity != "slot" or n_units <= 0 or H < 2:
+    n_units = _n_head_units(space, n_units)
+    if n_units == 0:
         return {}
     layer_units = [(float(profile.get(f"L{l:02d}.{KINDS[k]}", 0.0)), l, k) for l in range(L) for k in range(2)]
     layer_units.sort(key=lambda u: (-u[0], u[1], u[2]))
@@ -111,9 +121,7 @@ def run_profile(score: Callable[[Plan], Mapping], space: SearchSpace, reference:
     """Measure every unit, then the heads of the ``n_head_units`` worst (layer, kind) units
     (``None``: of every unit); returns name -> mean KL."""
     plans = profile_plans(space, reference)
-    L, H = space.shape[:2]
-    n_units = 2 * L if n_head_units is None else min(max(n_head_units, 0), 2 * L)
-    n_heads = n_units * H if space.granularity == "slot" and H > 1 else 0
+    n_heads = _n_head_units(space, n_head_units) * space.shape[1]
     recent = recent_plans(space, reference)
     total = len(plans) + n_heads + (2 if space.corrects_keys else 0) + len(recent)
     out: dict[str, float] = {}
