@@ -155,5 +155,6 @@ def main() -> None:
               f"Wall time {time.time() - t0:.0f} s."]
     atomic_write_text(args.out, "\n".join(lines) + "\n")
 
+
 if __name__ == "__main__":
     main()
