@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from bench.codec_baselines import baseline_plans  # noqa: E402
 from kvplan import Plan  # noqa: E402
-from kvplan.plans import atomic_write_text  # noqa: E402
+from kvplan.plans import STREAMED, atomic_write_text  # noqa: E402
 from kvplan.search import BpvModel, SearchSpace  # noqa: E402
 from kvplan.search.budget import greedy_knapsack, group_damage, knapsack_seed, repair  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
@@ -60,6 +60,11 @@ def plan_space(plan: Plan, **choices) -> SearchSpace:
                  group_sizes=(q.group_size,), residual_lengths=(q.residual_length,),
                  feedback_metric=plan.feedback_metric)
     return SearchSpace(plan.geometry, plan.modalities, "slot", **{**fixed, **choices})
+
+
+def streamed_heads(plan: Plan) -> list[tuple[int, int]]:
+    """The ``(layer, KV head)``s ``plan`` streams (bits 0), in layer then head order."""
+    return [(int(l), int(h)) for l, h in np.argwhere((plan.code_table() == STREAMED)[:, :, 0, 0])]
 
 
 def search_profile(plan_path: str) -> dict:

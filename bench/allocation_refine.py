@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.allocation_ceiling import plan_space, search_profile  # noqa: E402
+from bench.allocation_ceiling import plan_space, search_profile, streamed_heads  # noqa: E402
 from kvplan import Plan  # noqa: E402
-from kvplan.plans import STREAMED, atomic_write_text  # noqa: E402
+from kvplan.plans import atomic_write_text  # noqa: E402
 from kvplan.search import BpvModel  # noqa: E402
 from kvplan.search.budget import EPS, group_damage, repair  # noqa: E402
 from kvplan.search.scorers import DEFAULT_SAMPLES, task_scorers  # noqa: E402
@@ -46,21 +46,20 @@ from kvplan.search.sensitivity import correction_factor, slot_sensitivity  # noq
 
 
 def neighbours(model: BpvModel, levels: np.ndarray, q, budget: float, damage: np.ndarray,
-               rng: np.random.Generator, n_random: int) -> list[tuple[str, np.ndarray]]:
-    """Budget-neutral one-step moves from ``levels``: ``(how, levels)``; every raise repaired by the damage
-    model first, then ``n_random`` raise-one / lower-a-random-other swaps that fit the budget."""
-    t = model.terms(q)
-    tops = np.array([np.isfinite(row).sum() - 1 for row in t.group_cost])
-    out = []
-    for gi in np.nonzero(levels < tops)[0]:
+               rng: np.random.Generator, n_random: int) -> tuple[list, list]:
+    """Budget-neutral one-step moves from ``levels``, each ``(how, levels)``: every one-level raise repaired by
+    the damage model, and up to ``n_random`` raise-one / lower-a-random-other swaps that fit the budget."""
+    tops = np.array([g.n_levels - 1 for g in model.space.groups])
+    raisable, lowerable = np.nonzero(levels < tops)[0], np.nonzero(levels > 0)[0]
+    raises, swaps = [], []
+    for gi in raisable:
         lv = levels.copy()
         lv[gi] += 1
         fixed, _, _ = repair(model, lv, q, budget, damage)
         if fixed[gi] > levels[gi]:  # the repair did not undo the raise
-            out.append((f"raise {gi}, repair", fixed))
-    raisable, lowerable = np.nonzero(levels < tops)[0], np.nonzero(levels > 0)[0]
+            raises.append((f"raise {gi}, repair", fixed))
     for _ in range(n_random * 20):
-        if len([o for o in out if o[0].startswith("swap")]) >= n_random or not len(raisable) or not len(lowerable):
+        if len(swaps) >= n_random or not len(raisable) or not len(lowerable):
             break
         a, b = int(rng.choice(raisable)), int(rng.choice(lowerable))
         if a == b:
@@ -69,8 +68,8 @@ def neighbours(model: BpvModel, levels: np.ndarray, q, budget: float, damage: np
         lv[a] += 1
         lv[b] -= 1
         if model.bpv(lv, q) <= budget + EPS:
-            out.append((f"swap +{a} -{b}", lv))
-    return out
+            swaps.append((f"swap +{a} -{b}", lv))
+    return raises, swaps
 
 
 def main() -> None:
@@ -88,15 +87,14 @@ def main() -> None:
     t0 = time.time()
     plan = Plan.from_yaml(args.plan)
     profile = search_profile(args.plan)
-    table = plan.code_table()
-    streamed = sorted({(int(l), int(h)) for l, h in zip(*np.nonzero((table == STREAMED)[:, :, 0, 0]))})
+    streamed = streamed_heads(plan)
     extra = dict(streamed_heads=streamed, stream_window=plan.quantizer.stream_window) if streamed else {}
     space = plan_space(plan, **extra)
     model = BpvModel(space, plan.reference)
     damage = group_damage(space, slot_sensitivity(space, profile), correction_factor(profile))
     q = plan.quantizer
     budget = plan.target_bpv or plan.bpv().total
-    levels = space.levels_of_table(table)
+    levels = space.levels_of_table(plan.code_table())
     if levels is None:
         raise SystemExit(f"{args.plan}: its bit table is not in the slot space around it")
     rng = np.random.default_rng(args.seed)
@@ -113,13 +111,12 @@ def main() -> None:
     print(f"start: calibration KL {current_kl:.5f}", flush=True)
     while n_evals < args.evals:
         rounds += 1
-        moves = [(how, lv) for how, lv in neighbours(model, current, q, budget, damage, rng, args.random)
-                 if lv.tobytes() not in seen]
-        if not moves:
+        raises, swaps = ([m for m in moves if m[1].tobytes() not in seen]
+                         for moves in neighbours(model, current, q, budget, damage, rng, args.random))
+        if not raises and not swaps:
             break
-        pred = {lv.tobytes(): float(damage[np.arange(len(lv)), lv].sum()) for _, lv in moves}
-        ranked = sorted((m for m in moves if not m[0].startswith("swap")), key=lambda m: pred[m[1].tobytes()])
-        chosen = ranked[: args.per_round] + [m for m in moves if m[0].startswith("swap")]
+        ranked = sorted(raises, key=lambda m: float(damage[np.arange(len(m[1])), m[1]].sum()))
+        chosen = ranked[: args.per_round] + swaps
         best = None
         for how, lv in chosen[: args.evals - n_evals]:
             kl = scorers.calibration(plan_of(lv))["kl"]

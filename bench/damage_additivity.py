@@ -27,12 +27,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.allocation_ceiling import plan_space, predicted_damage, search_profile  # noqa: E402
+from bench.allocation_ceiling import plan_space, predicted_damage, search_profile, streamed_heads  # noqa: E402
 from kvplan import Plan  # noqa: E402
-from kvplan.plans import STREAMED, atomic_write_text  # noqa: E402
+from kvplan.plans import atomic_write_text  # noqa: E402
 from kvplan.search.budget import group_damage  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
 from kvplan.search.sensitivity import correction_factor, slot_sensitivity  # noqa: E402
@@ -51,7 +50,7 @@ def main() -> None:
     plan = Plan.from_yaml(args.plan)
     profile = search_profile(args.plan)
     table = plan.code_table()  # [L, H_kv, 2, M]
-    heads = [(int(l), int(h)) for l, h in np.argwhere((table == STREAMED)[:, :, 0, 0])]
+    heads = streamed_heads(plan)
     if not heads:
         raise SystemExit(f"{args.plan}: the plan streams no KV head")
     quantized_table, streamed_table = streaming_parts(table)  # the parts the search's calibration scores
