@@ -14,6 +14,26 @@ import time
 from kvplan.search import search
 from tests.search.synthetic import SyntheticScorer
 
+
+class HandshakeScorer(SyntheticScorer):
+    """A synthetic scorer that can hand off with another worker through files: ``announce`` is
+    created each time an evaluation starts (this worker holds a trial); the first evaluation waits
+    (up to ``await_timeout`` s) until ``await_file`` exists (the other worker holds one)."""
+
+    def __init__(self, announce=None, await_file=None, await_timeout=120.0, **kw):
+        super().__init__(**kw)
+        self.announce, self.await_file, self.await_timeout = announce, await_file, await_timeout
+
+    def __call__(self, plan):
+        if self.announce:
+            open(self.announce, "w").close()
+        if self.await_file and self.calls == 0:
+            deadline = time.time() + self.await_timeout
+            while not os.path.exists(self.await_file) and time.time() < deadline:
+                time.sleep(0.05)
+        return super().__call__(plan)
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 2 and sys.argv[1].startswith("{"):
         cfg = json.loads(sys.argv[1])
@@ -26,7 +46,8 @@ if __name__ == "__main__":
         print("READY", flush=True)
         while not os.path.exists(go):
             time.sleep(0.05)
-    scorer = SyntheticScorer(sleep=cfg.get("sleep", 0.0), seed=cfg.get("data_seed", 0))
+    scorer = HandshakeScorer(sleep=cfg.get("sleep", 0.0), seed=cfg.get("data_seed", 0),
+                             announce=cfg.get("announce"), await_file=cfg.get("await"))
     r = search(budget="3.0", n_trials=cfg["n"], scorer=scorer, storage=cfg["storage"], study_name=cfg["study"],
                out=cfg.get("out"), progress=False, worker=cfg.get("worker"), n_candidates=4, n_local=8,
                heartbeat_interval=cfg.get("heartbeat", 10), grace_period=cfg.get("grace", 60),

@@ -108,6 +108,9 @@ class TestStorageContract:
         # it is seen holding one, so their length costs nothing; at 3 s a loaded CI box once saw the trial
         # RUNNING and killed the victim only after it had completed it
         cfgs[1]["sleep"] = 60.0
+        # hand-off: the survivor starts evaluating only once the victim holds a trial (it once finished
+        # all 16 under load before the victim had taken one)
+        cfgs[1]["announce"] = cfgs[0]["await"] = str(tmp_path / "victim-holds-a-trial")
         procs = _start_together(cfgs, tmp_path)
         victim = procs[1]
         # wait until the victim holds an evaluation slot mid-trial (after a few finished trials)
