@@ -57,6 +57,8 @@ CORRUPTIONS = {
     "csv-bits-short": ("trials", lambda p: _cell(p, 2, "bits", "2 2 2"), "bits has 3 entries", 19),
     "csv-bits-text": ("trials", lambda p: _cell(p, 2, "bits", " ".join(["two"] * 48)), "non-integer", 19),
     "csv-bits-unknown-format": ("trials", lambda p: _cell(p, 2, "bits", " ".join(["5"] * 48)), "format codes", 19),
+    "csv-bits-corrected-streamed": ("trials", lambda p: _cell(p, 2, "bits", " ".join(["100"] * 48)), "format codes",
+                                    19),
     "csv-group-size": ("trials", lambda p: _cell(p, 4, "group_size", "48"), "group_size '48'", 19),
     "csv-extra-cells": ("trials", lambda p: _rewrite(p, "".join(_lines(p)) + "1,2,3" + ",9" * 20 + "\n"),
                         "wrong number of cells", 20),

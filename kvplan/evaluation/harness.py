@@ -46,9 +46,8 @@ from ..plans import KINDS, Plan, plan_bytes
 from ..runtime.cache import KVPlanCache
 from ..runtime.heavy import recording_window_queries
 from ..runtime.load import attention_route, check_modalities, make_cache, resolve_plan
+from ..kernels.qtypes import FULL_PRECISION_BITS
 from .prefix import PrefixReplay, decoder_layers, first_quantized_layer, settings_key
-
-FULL_PRECISION_BITS = 16
 
 
 class ProtocolError(KVPlanError):

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..kernels.qtypes import GROUP_SIZES
 from ..plans._fields import PLAN_BITS
-from ..plans import CORRECTED, split_codes
+from ..plans import codes_error
 
 MAX_SIDECAR_BYTES = 256 * 2**20  # larger files are refused rather than read into memory
 REQUIRED_COLUMNS = ("kl", "bits")
@@ -101,9 +101,9 @@ def _row_problem(r: dict, n_slots: int) -> str | None:
         codes = np.array([int(c) for c in cells], dtype=np.int64)
     except ValueError:
         return "bits holds a non-integer"
-    bits, _ = split_codes(codes)
-    if (codes < 0).any() or (codes >= 2 * CORRECTED).any() or not np.isin(bits, PLAN_BITS).all():
-        return f"bits holds format codes other than {list(PLAN_BITS)} (+{CORRECTED} corrected)"
+    bad = codes_error(codes, PLAN_BITS)
+    if bad:
+        return f"bits holds {bad}"
     for k in INT_QUANTIZER_COLUMNS:
         v = r.get(k)
         if v in (None, ""):

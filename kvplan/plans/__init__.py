@@ -7,7 +7,7 @@ base64 codec), ``_files`` (bounded reads, atomic writes), ``_yaml`` (bounded loa
 default + rules), ``accounting`` (honest bpv), ``baselines``.
 """
 
-from ._checks import CORRECTED, KINDS, SCHEMA_VERSION, STREAMED, split_codes
+from ._checks import CORRECTED, KINDS, SCHEMA_VERSION, STREAMED, codes_error, is_corrected, slot_code, split_codes
 from ._fields import BitRule, Provenance, QuantizerSettings, Reference
 from ._files import atomic_write_text
 from ._keybasis import FeedbackMetric, KeyBasis
@@ -42,6 +42,9 @@ __all__ = [
     "plan_bytes",
     "heavy_tokens",
     "recent_tokens",
+    "codes_error",
+    "is_corrected",
+    "slot_code",
     "split_codes",
     "stored_runs",
     "stream_tokens",

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from ..errors import PlanError, describe
 from ..kernels.qtypes import STREAMED  # noqa: F401 (re-exported: plans name it)
 
@@ -35,9 +37,33 @@ MAX_TOKENS = 2 ** 24  # context_len, residual_length, sink_length
 MAX_DEPTH = 32  # nesting of metrics (the YAML reader refuses deeper documents before this)
 
 
+# Slot format codes (``Plan.code_table``, the search space's levels, ``trials.csv``) are ints that
+# pack ``(bits, corrected)``; these functions are the only code that reads or writes that packing.
 def split_codes(codes):
     """``(bits, corrected)`` of format codes (an int or an int array): see :data:`CORRECTED`."""
     return codes % CORRECTED, codes >= CORRECTED
+
+
+def slot_code(bits, corrected=False):
+    """Format code of a slot at ``bits`` (an int or an int array), with the key correction when
+    ``corrected``."""
+    return bits + CORRECTED if corrected else bits
+
+
+def is_corrected(codes):
+    """Whether format codes (an int or an int array) store the key correction."""
+    return codes >= CORRECTED
+
+
+def codes_error(codes, plan_bits) -> str | None:
+    """Why an int array is not made of format codes a plan can hold (bits in ``plan_bits``, the
+    correction only on quantized bits), or ``None``."""
+    bits, corrected = split_codes(codes)
+    quantized = (bits != STREAMED) & (bits < max(plan_bits))
+    if (codes < 0).any() or (codes >= 2 * CORRECTED).any() or not np.isin(bits, plan_bits).all() \
+            or (corrected & ~quantized).any():
+        return f"format codes other than {list(plan_bits)} (+{CORRECTED} corrected, quantized bits only)"
+    return None
 
 
 def key_path(path: str, key) -> str:

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ._checks import CORRECTED, KINDS, split_codes
+from ._checks import KINDS, is_corrected, split_codes
 from ._fields import BitRule
 
 _LEVELS = (
@@ -19,8 +19,8 @@ _AXIS = {"layer": 0, "head": 1, "kind": 2, "modality": 3}
 def compress(table: np.ndarray, modalities) -> tuple[int, list[BitRule]]:
     """Default + ordered rules reproducing ``table`` exactly (greedy, coarse to fine)."""
     vals, counts = np.unique(table, return_counts=True)
-    plain = vals < CORRECTED  # the default is plain bits; corrected slots always come from rules
-    default = int(vals[plain][np.argmax(counts[plain])]) if plain.any() else int(vals[0]) % CORRECTED
+    plain = ~is_corrected(vals)  # the default is plain bits; corrected slots always come from rules
+    default = int(vals[plain][np.argmax(counts[plain])]) if plain.any() else int(split_codes(vals[0])[0])
     current = np.full_like(table, default)
     rules: list[BitRule] = []
     for level in _LEVELS:
@@ -38,7 +38,7 @@ def compress(table: np.ndarray, modalities) -> tuple[int, list[BitRule]]:
                 continue
             v, c = np.unique(tgt, return_counts=True)
             if "kind" not in level or KINDS[idx[level.index("kind")]] != "k":
-                v, c = v[v < CORRECTED], c[v < CORRECTED]  # a correcting rule must select keys alone
+                v, c = v[~is_corrected(v)], c[~is_corrected(v)]  # a correcting rule must select keys alone
                 if not v.size:
                     continue
             mode = int(v[np.argmax(c)])

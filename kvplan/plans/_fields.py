@@ -9,8 +9,8 @@ from .._version import __version__
 from ..errors import PlanError
 from ..kernels.formats import DEFAULT_SCALING, SCALINGS, Format, check_levels
 from ..kernels.qtypes import FULL_PRECISION_BITS, GROUP_SIZES, QTYPES, SUPPORTED_BITS
-from ._checks import (CORRECTED, DEFAULT_MODALITY, KINDS, MAX_HEAD_DIM, MAX_TOKENS, STREAMED, check_choice, check_int,
-                      is_num, key_path)
+from ._checks import (DEFAULT_MODALITY, KINDS, MAX_HEAD_DIM, MAX_TOKENS, STREAMED, check_choice, check_int,
+                      is_num, key_path, slot_code)
 
 AXES = ("channel", "token")
 CORRECTION_BITS = (2, 3, 4, 8)
@@ -208,7 +208,7 @@ class BitRule:
     @property
     def code(self) -> int:
         """Slot format code: ``bits``, plus :data:`CORRECTED` when the slot is corrected."""
-        return self.bits + (CORRECTED if self.correct else 0)
+        return slot_code(self.bits, self.correct)
 
     def __post_init__(self):
         check_choice(self.bits, "bits", PLAN_BITS)

@@ -543,7 +543,7 @@ class KVPlanLayer(CacheLayerMixin):
         recent copy, then keep their newest ``stream_tokens`` (moved in residual form, never coded
         again)."""
         q = self.owner.plan.quantizer
-        c0, n = self.committed, target - self.committed
+        c0 = self.committed
         recent_from = target - recent_tokens(target, q.recent_length, q.sink_length, self.dropped)
         recent = self.recent[kind]
         idx = list(self.streamed)

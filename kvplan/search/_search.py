@@ -62,7 +62,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 import optuna
@@ -79,7 +79,6 @@ from ..surrogates import ForestSurrogate, PlanFeatures, log_kl
 from .budget import (
     EPS,
     BpvModel,
-    BudgetError,
     group_damage,
     knapsack_seed,
     parse_budget,

@@ -85,7 +85,6 @@ class BpvModel:
     def __init__(self, space: SearchSpace, reference: Reference):
         self.space = space
         self.reference = reference
-        g = space.geometry
         self.labels = reference.labels()
         self._terms: dict[QuantizerSettings, _QTerms] = {}  # QuantizerSettings is frozen: a key
         for q in space.quantizers():

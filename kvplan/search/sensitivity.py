@@ -33,7 +33,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ..kernels.qtypes import FULL_PRECISION_BITS
-from ..plans import CORRECTED, KINDS, Plan, Provenance, QuantizerSettings, Reference
+from ..plans import KINDS, Plan, Provenance, QuantizerSettings, Reference, slot_code
 from .budget import DEFAULT_CORRECTION_FACTOR
 from .space import SearchSpace
 
@@ -150,7 +150,7 @@ def recent_plans(space: SearchSpace, reference: Reference) -> dict[str, Plan]:
     q = profile_quantizer(space)
     table = np.full(space.shape, space.bits[0], dtype=np.int64)
     if space.corrects_keys:
-        table[:, :, 0] = space.bits[0] + CORRECTED
+        table[:, :, 0] = slot_code(space.bits[0], corrected=True)
     prov = Provenance(produced_by="kvplan search profile")
     return {("lowest" if w == 0 else f"lowest+recent{w}"): space.plan_of_table(table, replace(q, recent_length=w),
                                                                                reference, provenance=prov)
@@ -174,7 +174,7 @@ def correction_plans(space: SearchSpace, reference: Reference) -> dict[str, Plan
     keys = np.zeros(space.shape, dtype=bool)
     keys[:, :, 0] = True
     return {**_unit_plans(space, reference, {"keys": keys}),
-            **_unit_plans(space, reference, {"keys+correction": keys}, code=space.bits[0] + CORRECTED)}
+            **_unit_plans(space, reference, {"keys+correction": keys}, code=slot_code(space.bits[0], corrected=True))}
 
 
 def correction_factor(profile: Mapping[str, float] | None) -> float:

@@ -34,8 +34,8 @@ from ..kernels.qtypes import FULL_PRECISION_BITS, GROUP_SIZES, STREAMED, SUPPORT
 from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
 from ..models.modality import TOKEN_IDS_NAME
-from ..plans import (CORRECTED, KINDS, KVTUNER_PAIRS, FeedbackMetric, KeyBasis, Plan, Provenance, QuantizerSettings,
-                     Reference)
+from ..plans import (KINDS, KVTUNER_PAIRS, FeedbackMetric, KeyBasis, Plan, Provenance, QuantizerSettings,
+                     Reference, slot_code)
 from ..plans._rope import as_floats, layer_rope_inv_freq, normalize_rope_inv_freq
 from ..plans.accounting import stream_fits_window
 
@@ -200,7 +200,7 @@ class SearchSpace:
         """Slot format codes the space can assign: the candidate bits, and with the key
         correction the lowest quantized bits + :data:`CORRECTED` (a level between it and the next)."""
         return ((STREAMED,) if self.streamed_heads else ()) + self.bits + (
-            (self.bits[0] + CORRECTED,) if self.corrects_keys else ())
+            (slot_code(self.bits[0], corrected=True),) if self.corrects_keys else ())
 
     @property
     def corrects_keys(self) -> bool:
@@ -211,7 +211,7 @@ class SearchSpace:
         """Level codes of a keys-only group, in increasing cost order."""
         levels = list(self.bits)
         if self.corrects_keys:
-            levels.insert(1, self.bits[0] + CORRECTED)
+            levels.insert(1, slot_code(self.bits[0], corrected=True))
         return np.array(levels, dtype=np.int64)[:, None]
 
     def _build_groups(self) -> list[Group]:

@@ -100,3 +100,16 @@ def test_basis_shape_must_match_model_and_rank():
         KeyBasis(np.full((3, 2, 16, 2), np.nan))
     with pytest.raises(PlanError, match="key_basis: given but"):
         uniform_plan(GEOM, 2, 2).replace(key_basis=np.zeros((3, 2, 16, 2)))
+
+
+def test_slot_codes_pack_bits_and_correction_in_one_place():
+    from kvplan.plans import STREAMED, codes_error, is_corrected, slot_code, split_codes
+    from kvplan.plans._fields import PLAN_BITS
+
+    codes = np.array([slot_code(b, c) for b in (2, 3, 4) for c in (False, True)] + [STREAMED, 8, 16])
+    bits, corrected = split_codes(codes)
+    assert bits.tolist() == [2, 2, 3, 3, 4, 4, 0, 8, 16]
+    assert corrected.tolist() == is_corrected(codes).tolist() == [False, True] * 3 + [False] * 3
+    assert codes_error(codes, PLAN_BITS) is None
+    for bad in (slot_code(STREAMED, True), slot_code(16, True), 5, -1, 2 * slot_code(2, True)):
+        assert "format codes other than" in codes_error(np.array([2, bad]), PLAN_BITS), bad
