@@ -12,15 +12,23 @@ the slot's calibration-profile damage at 2 bits (``<plan>.search.json``: one uni
 full precision) times the squared step-size ratio ``(3 / (2^b - 1))^2`` (x the profile's correction
 factor for corrected keys). Under that additive model the **best** allocation at the plan's budget is
 the multiple-choice knapsack over the slots' levels; the greedy by damage removed per bpv
-(``knapsack_seed``, the search's own seed) reaches it up to the last item. Rows:
+(``knapsack_seed``, the search's own seed) reaches it up to the last item.
+
+When the plan streams KV heads, a streamed head's predicted damage is its streaming profile entry
+(``Lxx.stream.hy``) times the profile's streaming calibration (``stream.scale``, as the search uses it),
+and the optimum is the search's own choice of streamed heads and levels at the budget
+(``kvplan.search.streaming.streaming_optimum``: the knapsack over KV heads with streaming as one more
+option); the baselines include the rank-based streaming ones of ``bench/codec_baselines.py``. Rows:
 
 * predicted damage of the searched plan, the baselines and the model's optimum, each relative to the
   best baseline's; the optimum's ratio is the model's ceiling for allocation at this budget;
 * the same optimum with a hypothetical **1-bit** level (not a kvplan format; its cost is the 2-bit cost
   minus one bit per value, its damage ``k`` times the 2-bit damage: ``k = 9`` by the prior's formula,
   ``k = 3.1`` for Lloyd-Max codes of a Gaussian, 0.363 / 0.1175), to say what that format could add;
-* measured **test** KL (the test scorer of ``kvplan search``, 16 samples, the deployed route; reported,
-  nothing is chosen here) of the searched plan, the baselines and the model's optimum.
+* measured **validation** and **test** KL (the scorers of ``kvplan search``, 16 samples each, the
+  deployed route) of the searched plan, the baselines and the model's optimum. The best baseline, the
+  one every ratio divides by, is chosen on validation (predicted: the least predicted damage); test is
+  reported only.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from kvplan.search import BpvModel, SearchSpace  # noqa: E402
 from kvplan.search.budget import greedy_knapsack, group_damage, knapsack_seed, repair  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
 from kvplan.search.sensitivity import correction_factor, slot_sensitivity  # noqa: E402
+from kvplan.search.streaming import STREAM_SCALE_KEY, stream_key, streaming_optimum  # noqa: E402
 
 ONE_BIT_DAMAGE = {"prior's formula, k = 9": 9.0, "Gaussian Lloyd-Max, k = 3.1": 0.3634 / 0.1175}
 
@@ -73,13 +82,24 @@ def search_profile(plan_path: str) -> dict:
         return json.load(f)["profile"]
 
 
-def predicted_damage(space: SearchSpace, damage: np.ndarray, plan: Plan) -> float:
-    """The search's additive damage model of ``plan``: its slots' ``damage`` (``group_damage`` of ``space``) at
-    their levels; exits when the plan's bit table is not in ``space``."""
-    levels = space.levels_of_table(plan.code_table())
+def predicted_damage(space: SearchSpace, damage: np.ndarray, plan: Plan, profile: dict | None = None) -> float:
+    """The search's additive damage model of ``plan``: its quantized slots' ``damage`` (``group_damage`` of
+    ``space``, a space without streamed heads) at their levels, plus each streamed head's streaming damage in
+    ``profile`` times the profile's streaming calibration; exits when the plan's bit table is not in ``space``."""
+    codes = plan.code_table()  # [L, H_kv, 2, M]
+    streamed = codes == STREAMED
+    levels = space.levels_of_table(np.where(streamed, space.bits[0], codes))  # streamed slots: any level, dropped
     if levels is None:
         raise SystemExit(f"{plan.name}: its bit table is not in the slot search space")
-    return float(damage[np.arange(len(levels)), levels].sum())
+    quantized = ~streamed.reshape(-1)[[g.slots[0] for g in space.groups]]  # slot granularity: one slot a group
+    out = float(damage[np.arange(len(levels)), levels][quantized].sum())
+    heads = streamed_heads(plan)
+    if heads:
+        if profile is None:
+            raise SystemExit(f"{plan.name}: streams KV heads; their damage needs the profile")
+        scale = float(profile.get(STREAM_SCALE_KEY, 1.0))
+        out += scale * sum(max(profile[stream_key(l, h)], 0.0) for l, h in heads)
+    return out
 
 
 def lowered_to(plan: Plan, profile: dict, budget: float) -> Plan:
@@ -115,54 +135,68 @@ def main() -> None:
     searched = Plan.from_yaml(args.plan)
     profile = search_profile(args.plan)
     budget = searched.target_bpv or searched.bpv().total
-    space = plan_space(searched)
+    q = searched.quantizer
+    streams = bool(streamed_heads(searched))
+    space = plan_space(searched)  # no streamed heads: every slot has its levels
+    (space_q,) = space.quantizers()  # the plan's quantizer, but for streaming's window (not in this space)
     model = BpvModel(space, searched.reference)
     damage = group_damage(space, slot_sensitivity(space, profile), correction_factor(profile))
-    q = searched.quantizer
 
     def predicted(plan: Plan) -> float:
-        return predicted_damage(space, damage, plan)
+        return predicted_damage(space, damage, plan, profile)
 
-    optimum_levels = knapsack_seed(model, q, budget, damage)
-    optimum = space.plan_of_table(space.table_of_levels(optimum_levels), q, searched.reference).replace(
-        name="model-optimum", metrics={})
+    if streams:  # the search's own choice: streamed heads and levels together
+        opt = streaming_optimum(space, searched.reference, profile, q.stream_window, budget,
+                                float(profile.get(STREAM_SCALE_KEY, 1.0)))
+        optimum = searched.with_table(opt.table)
+        optimum_label = "the damage model's optimum (knapsack over the heads' levels and streaming)"
+    else:
+        optimum = searched.with_table(space.table_of_levels(knapsack_seed(model, space_q, budget, damage)))
+        optimum_label = "the damage model's optimum (knapsack over the slots' levels)"
+    optimum = optimum.replace(name="model-optimum", metrics={})
     baselines = baseline_plans(searched, profile, budget)
-    rows = [("searched (kvplan search)", searched), *baselines,
-            ("the damage model's optimum (knapsack over the slots' levels)", optimum)]
+    rows = [("searched (kvplan search)", searched), *baselines, (optimum_label, optimum)]
     best_pred = min(predicted(p) for _, p in baselines)
 
-    terms = model.terms(q)
-    n_values = model.n_values(q)
+    terms = model.terms(space_q)
+    n_values = model.n_values(space_q)
     # one bit per value of a slot, in bpv of the whole cache: its 2-bit -> 3-bit step (same scales and
     # zero-points, no correction); every slot's cheapest level is its uncorrected 2-bit one
     def level_of(g, code: int) -> int:
         return int(np.nonzero((g.level_bits == code).all(axis=1))[0][0])
 
-    assert all(level_of(g, 2) == 0 for g in space.groups), "every slot's cheapest level must be 2 bits"
-    bit_cost = np.array([terms.group_cost[gi, level_of(g, 3)] - terms.group_cost[gi, 0]
-                         for gi, g in enumerate(space.groups)])
-    slack = budget - terms.const - float((terms.group_cost[:, 0] - bit_cost).sum())
-    one_bit = {name: one_bit_optimum(terms.group_cost, damage, bit_cost, k, slack) for name, k in ONE_BIT_DAMAGE.items()}
+    one_bit = {}
+    if not streams:  # (with streaming the knapsack is over heads; bench/one_bit_probe.py measured the level)
+        assert all(level_of(g, 2) == 0 for g in space.groups), "every slot's cheapest level must be 2 bits"
+        bit_cost = np.array([terms.group_cost[gi, level_of(g, 3)] - terms.group_cost[gi, 0]
+                             for gi, g in enumerate(space.groups)])
+        slack = budget - terms.const - float((terms.group_cost[:, 0] - bit_cost).sum())
+        one_bit = {name: one_bit_optimum(terms.group_cost, damage, bit_cost, k, slack)
+                   for name, k in ONE_BIT_DAMAGE.items()}
 
-    test = task_scorers(args.model, n_calibration=1, n_validation=0, n_test=16, progress=False).test
+    scorers = task_scorers(args.model, n_calibration=1, n_validation=16, n_test=16, progress=False)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"# Bit allocation's ceiling at {budget:g} bpv: the search's damage model", "",
              f"Command: `python bench/allocation_ceiling.py {' '.join(sys.argv[1:])}` at commit {commit} (method "
              f"in the script's docstring; {n_values} values at the plan's reference).", "",
-             "| plan | honest bpv | predicted damage / best baseline's | test KL [95% CI] | test KL / best baseline's |",
-             "|---|---:|---:|---|---:|"]
-    measured = {}  # label -> test metrics
+             "| plan | honest bpv | predicted damage / best baseline's | validation KL | validation KL / best "
+             "baseline's | test KL [95% CI] | test KL / best baseline's |",
+             "|---|---:|---:|---:|---:|---|---:|"]
+    val, test = {}, {}  # label -> metrics
     for label, plan in rows:
-        measured[label] = test(plan)
-        print(label, measured[label]["kl"], flush=True)
-    best_kl = min(measured[label]["kl"] for label, _ in baselines)
+        val[label], test[label] = scorers.validation(plan), scorers.test(plan)
+        print(label, val[label]["kl"], test[label]["kl"], flush=True)
+    best = min((label for label, _ in baselines), key=lambda label: val[label]["kl"])  # chosen on validation
     for label, plan in rows:
-        m = measured[label]
-        lines.append(f"| {label} | {plan.bpv().total:.4f} | {predicted(plan) / best_pred:.2f} | {m['kl']:.4f} "
-                     f"[{m['kl_ci95_lo']:.4f}, {m['kl_ci95_hi']:.4f}] | {m['kl'] / best_kl:.2f} |")
-    lines += ["", "With a hypothetical 1-bit level (damage model only, not measured):", "",
-              "| 1-bit damage | predicted optimum / best baseline's |", "|---|---:|"]
-    lines += [f"| {name} | {d / best_pred:.2f} |" for name, d in one_bit.items()]
+        v, m = val[label], test[label]
+        lines.append(f"| {label} | {plan.bpv().total:.4f} | {predicted(plan) / best_pred:.2f} | {v['kl']:.4f} | "
+                     f"{v['kl'] / val[best]['kl']:.2f} | {m['kl']:.4f} [{m['kl_ci95_lo']:.4f}, {m['kl_ci95_hi']:.4f}] | "
+                     f"{m['kl'] / test[best]['kl']:.2f} |")
+    lines += ["", f"Best baseline on validation: {best}."]
+    if one_bit:
+        lines += ["", "With a hypothetical 1-bit level (damage model only, not measured):", "",
+                  "| 1-bit damage | predicted optimum / best baseline's |", "|---|---:|"]
+        lines += [f"| {name} | {d / best_pred:.2f} |" for name, d in one_bit.items()]
     lines += ["", f"Wall time {time.time() - t0:.0f} s."]
     atomic_write_text(args.out, "\n".join(lines) + "\n")
 
