@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvplan import Plan  # noqa: E402
-from kvplan.plans import CORRECTED, STREAMED, atomic_write_text  # noqa: E402
+from kvplan.plans import STREAMED, atomic_write_text, slot_code  # noqa: E402
 from kvplan.search.streaming import stream_key  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
 
@@ -62,7 +62,7 @@ def baseline_plans(searched: Plan, profile: dict, budget: float) -> list[tuple[s
     (with and without the key correction on every key when the plan corrects keys) and the
     HeadGuard-style plans with key heads at 4 or 3 bits in ``profile``'s order; ``(label, plan)``."""
     g, q = searched.geometry, searched.quantizer
-    corr = CORRECTED if q.key_correction_rank else 0
+    corr = bool(q.key_correction_rank)  # keys at 2 bits carry the key correction
 
     def plan_of(key_codes: np.ndarray, name: str) -> Plan:  # key codes [L, H_kv], every value slot 2 bits
         table = np.full((g.num_layers, g.num_kv_heads, 2, len(searched.modalities)), 2, dtype=np.int64)
@@ -72,10 +72,10 @@ def baseline_plans(searched: Plan, profile: dict, budget: float) -> list[tuple[s
     base = np.full((g.num_layers, g.num_kv_heads), 2, dtype=np.int64)
     rows = [("uniform K2V2", plan_of(base, "uniform-k2v2"))]
     if corr:
-        rows.append(("uniform K2V2, key correction on every key", plan_of(base + corr, "uniform-k2v2-corr")))
+        rows.append(("uniform K2V2, key correction on every key", plan_of(slot_code(base, corrected=True), "uniform-k2v2-corr")))
     order = key_ranking(profile, g.num_layers, g.num_kv_heads)
     for high in (4, 3):
-        keys = base + corr
+        keys = slot_code(base, corr)
         n = 0
         for layer, head in order:
             trial = keys.copy()
@@ -99,7 +99,7 @@ def rank_streaming(searched: Plan, profile: dict, budget: float, n_stream: int) 
     measured = [(profile[stream_key(l, h)], l, h) for l in range(L) for h in range(H) if stream_key(l, h) in profile]
     streamed = {(l, h) for _, l, h in sorted(measured)[:n_stream]}
     table = np.full(searched.code_table().shape, 2, dtype=np.int64)
-    table[:, :, 0] += CORRECTED if q.key_correction_rank else 0
+    table[:, :, 0] = slot_code(table[:, :, 0], bool(q.key_correction_rank))
     for l, h in streamed:
         table[l, h] = STREAMED
     values = {k.replace(".v", ".k"): v for k, v in profile.items() if ".v" in k}  # key_ranking reads ".k" names

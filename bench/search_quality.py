@@ -44,7 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvplan import Plan  # noqa: E402
-from kvplan.plans import CORRECTED, atomic_write_text, headguard_plan, uniform_plan  # noqa: E402
+from kvplan.plans import atomic_write_text, headguard_plan, slot_code, uniform_plan  # noqa: E402
 from kvplan.search import search  # noqa: E402
 from kvplan.search import sidecar_paths  # noqa: E402
 from kvplan.search.scorers import harness_scorers  # noqa: E402
@@ -125,7 +125,7 @@ def quality(plan: Plan, side: dict, cal, held, budget: float) -> dict:
         q = dataclasses.replace(int2.quantizer, key_correction_rank=plan.quantizer.key_correction_rank,
                                 key_correction_bits=plan.quantizer.key_correction_bits)
         codes = int2.table()
-        codes[:, :, 0] += CORRECTED
+        codes[:, :, 0] = slot_code(codes[:, :, 0], corrected=True)
         p = int2.with_table(codes, quantizer=q, key_basis=plan.key_basis)
         res["codec"]["int2-g128-r0 + rotations + key correction (every key)"] = _row(p, held(p))
     kl = res["searched"]["kl"]

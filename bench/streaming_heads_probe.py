@@ -47,7 +47,7 @@ import torch  # noqa: E402
 from bench.allocation_ceiling import plan_space, search_profile  # noqa: E402
 from bench.codec_baselines import baseline_plans, key_ranking  # noqa: E402
 from kvplan import Plan  # noqa: E402
-from kvplan.plans import CORRECTED, atomic_write_text, baseline_plan  # noqa: E402
+from kvplan.plans import atomic_write_text, baseline_plan, slot_code  # noqa: E402
 from kvplan.search import BpvModel  # noqa: E402
 from kvplan.search.budget import greedy_knapsack, group_damage  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
@@ -169,7 +169,7 @@ def rank_based(searched: Plan, profile: dict, stream_damage: np.ndarray, n_strea
     L, H = g.num_layers, g.num_kv_heads
     streamed = set(sorted(np.ndindex(L, H), key=lambda lh: stream_damage[lh])[:n_stream])
     table = np.full(searched.code_table().shape, 2, dtype=np.int64)
-    table[:, :, 0, :] += CORRECTED if q.key_correction_rank else 0
+    table[:, :, 0, :] = slot_code(table[:, :, 0, :], bool(q.key_correction_rank))
     value_profile = {k.replace(".v", ".k"): v for k, v in profile.items() if ".v" in k}  # key_ranking reads ".k"
     ladder = ([(lh, 0, 3) for lh in key_ranking(profile, L, H)] + [(lh, 1, 3) for lh in key_ranking(value_profile, L, H)]
               + [(lh, 0, 4) for lh in key_ranking(profile, L, H)])
