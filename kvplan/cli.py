@@ -40,7 +40,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_search(args) -> int:
-    from .search import DEFAULT_BITS, BpvModel, SearchSpace, parse_budget, search
+    from .search import check_budgets, parse_budget, search
     from .evaluation.parallel import default_processes
     from .search.scorers import task_scorers
     from .search.storage import make_storage
@@ -59,19 +59,6 @@ def _cmd_search(args) -> int:
     # the storage is opened (driver, URL, server) before the model loads
     storage = make_storage(args.storage, heartbeat_interval=args.heartbeat_interval, grace_period=args.grace_period)
 
-    def check_budgets(geometry, reference, modalities):
-        """Reject an unreachable budget before any full-precision prefill."""
-        bmodel = BpvModel(SearchSpace(geometry, modalities, args.granularity, DEFAULT_BITS,
-                                      residual_bits=args.residual_bits, sink_bits=args.sink_bits,
-                                      heavy_length=args.heavy_length), reference)
-        for b in parsed:
-            bmodel.check_budget(b)
-
-    scorers = task_scorers(args.model, args.task, seed=args.seed, n_calibration=args.samples,
-                           n_validation=args.validation_samples, n_test=args.test_samples,
-                           history_tokens=args.history_tokens, eval_tokens=args.eval_tokens,
-                           context_len=args.context, progress=not args.quiet, before_prefill=check_budgets,
-                           processes=default_processes(args.processes, args.worker))
     extra = {}
     if args.sink_lengths is not None:
         extra["sink_lengths"] = tuple(args.sink_lengths)
@@ -98,6 +85,16 @@ def _cmd_search(args) -> int:
     extra["stream_window"] = args.stream_window
     if args.no_error_feedback:
         extra["error_feedback"] = False
+
+    def check_before_prefill(geometry, reference, modalities):
+        """Reject an unreachable budget before any full-precision prefill, on the space search() will use."""
+        check_budgets(parsed, geometry, reference, modalities, args.granularity, **extra)
+
+    scorers = task_scorers(args.model, args.task, seed=args.seed, n_calibration=args.samples,
+                           n_validation=args.validation_samples, n_test=args.test_samples,
+                           history_tokens=args.history_tokens, eval_tokens=args.eval_tokens,
+                           context_len=args.context, progress=not args.quiet, before_prefill=check_before_prefill,
+                           processes=default_processes(args.processes, args.worker))
     result = search(model=args.model, budget=budgets, granularity=args.granularity, n_trials=args.trials,
                     seed=args.seed, storage=storage, study_name=args.study_name, out=args.out,
                     scorer=scorers.calibration, validation_scorer=scorers.validation, test_scorer=scorers.test,

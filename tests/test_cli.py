@@ -136,6 +136,38 @@ def test_search_head_profile_option_reaches_the_search(monkeypatch, tmp_path, va
     assert seen.get("profile_head_units", "unset") == expected
 
 
+@pytest.mark.parametrize("flags,refused", [([], None), (["--value-scaling", "minmax-fp16"], "2.3750"),
+                                           (["--key-scaling", "absmax-e4m3", "--budget", "2.15bpv"], None),
+                                           (["--budget", "2.15bpv"], "2.1875")])
+def test_search_budget_check_before_prefill_uses_the_searched_formats(monkeypatch, tmp_path, capsys, flags, refused):
+    """The budget check before the prefill reads the space search() will search (formats included): the
+    default formats reach 2.1875 bpv on the default model's geometry (values absmax-e4m3), fp16 value scales
+    2.3750; it once used fp16 scales for values whatever the search would use, refusing 2.3 bpv."""
+    import types
+
+    import kvplan.search
+    import kvplan.search.scorers
+    from kvplan.cli import main
+    from kvplan.plans import Reference
+
+    geometry = Geometry(30, 3, 64, ("full",) * 30, "llama")  # SmolLM2-135M's
+
+    def fake_scorers(*a, before_prefill=None, **k):
+        before_prefill(geometry, Reference(512, (("text", 1.0),)), ("text",))
+        return types.SimpleNamespace(calibration=None, validation=None, test=None)
+
+    searched = []
+    monkeypatch.setattr(kvplan.search.scorers, "task_scorers", fake_scorers)
+    monkeypatch.setattr(kvplan.search, "search", lambda **k: searched.append(k) or types.SimpleNamespace(
+        finalized_by=None, plans={}, paths={}, n_real_evals=0, n_profile_evals=0, elapsed_s=0.0))
+    rc = main(["search", "--quiet", "--budget", "2.3bpv", "--out", str(tmp_path / "p.yaml")] + flags)
+    if refused is None:
+        assert rc == 0 and len(searched) == 1
+    else:
+        err = capsys.readouterr().err
+        assert rc == 2 and not searched and "cheapest reachable plan" in err and refused in err, err
+
+
 def test_search_head_profile_rejects_a_negative_count():
     r = _kvplan("search", "--head-profile", "-1")
     assert r.returncode == 2 and "--head-profile" in r.stderr and "must be at least 0" in r.stderr

@@ -56,6 +56,7 @@ do not propose identical plans).
 from __future__ import annotations
 
 import csv
+import inspect
 import io
 import json
 import math
@@ -788,9 +789,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         raise KVPlanError("key_pre_rope needs the model's RoPE frequencies: pass a loaded RoPE model (or a scorer "
                           "with .model), or key_pre_rope=False")
 
-    key_scaling = DEFAULT_FORMATS["key_scaling"] if key_scaling is None else key_scaling
-    value_scaling = DEFAULT_FORMATS["value_scaling"] if value_scaling is None else value_scaling
-    codebooks = tuple(DEFAULT_FORMATS["codebooks"] if codebooks is None else codebooks)
+    key_scaling, value_scaling, codebooks = _formats(key_scaling, value_scaling, codebooks)
 
     if stream_window is None:  # on where the search can stream
         stream_window = DEFAULT_STREAM_WINDOW if granularity == "slot" and not heavy_length and profile else 0
@@ -813,7 +812,9 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                            sink_bits=sink_bits, feedback_metric=feedback_metric, heavy_length=heavy_length,
                            streamed_heads=streamed, stream_window=stream_window if streamed else 0)
 
-    BpvModel(make_space(None), reference).check_budget(min(budgets))  # before any study or basis work
+    options = locals()
+    check_budgets(budgets, geometry, reference, modalities, granularity,  # before any study or basis work
+                  **{k: options[k] for k in BUDGET_OPTIONS})
     data_hash = getattr(scorer, "data_hash", None)
     model_name = getattr(scorer, "model_name", None)
 
@@ -868,6 +869,34 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         hb.close()
         for x in own_scorers:
             x.close()
+
+
+def _formats(key_scaling, value_scaling, codebooks) -> tuple[str, str, tuple[str, ...]]:
+    """The slot formats of every searched plan: the ones given, ``DEFAULT_FORMATS`` for each ``None``."""
+    return (DEFAULT_FORMATS["key_scaling"] if key_scaling is None else key_scaling,
+            DEFAULT_FORMATS["value_scaling"] if value_scaling is None else value_scaling,
+            tuple(DEFAULT_FORMATS["codebooks"] if codebooks is None else codebooks))
+
+
+# the keywords of search() that set what the cheapest plan of its space stores (check_budgets reads them)
+BUDGET_OPTIONS = ("bits", "group_sizes", "residual_lengths", "key_axes", "sink_lengths", "key_scaling",
+                  "value_scaling", "codebooks", "residual_bits", "recent_lengths", "sink_bits", "heavy_length")
+
+
+def check_budgets(budgets, geometry: Geometry, reference: Reference, modalities: Sequence[str] = ("text",),
+                  granularity: str = "slot", **options) -> None:
+    """Raise :class:`BudgetError` when a budget (``"2.5bpv"``, a number, or a list of them) is below the
+    cheapest plan :func:`search` can reach with the same keywords (``options``: :data:`BUDGET_OPTIONS`
+    of search(), each missing one at search()'s default; other keywords are ignored) on ``geometry`` at
+    ``reference``. Milliseconds: the CLI runs it before the full-precision prefill, search() before
+    any study work, on the same space."""
+    defaults = {k: p.default for k, p in inspect.signature(search).parameters.items() if k in BUDGET_OPTIONS}
+    opts = {**defaults, **{k: v for k, v in options.items() if k in BUDGET_OPTIONS}}
+    opts["key_scaling"], opts["value_scaling"], opts["codebooks"] = _formats(
+        opts["key_scaling"], opts["value_scaling"], opts["codebooks"])
+    model = BpvModel(SearchSpace(geometry, tuple(modalities), granularity, **opts), reference)
+    for b in budgets if isinstance(budgets, (list, tuple)) else [budgets]:
+        model.check_budget(parse_budget(b))
 
 
 def locals_for_run(ns: dict) -> dict:

@@ -113,6 +113,31 @@ def test_infeasible_budget_fails_fast():
     assert sc.calls == 0
 
 
+def test_check_budgets_refuses_exactly_what_search_refuses():
+    """``check_budgets`` (the CLI's check before the prefill) and search() read one space: same keywords,
+    same defaults, same formats."""
+    from kvplan.search import check_budgets
+
+    geometry, reference = Recorder().geometry, Recorder().reference
+    outcomes = []
+    for budget, options in [("2.0bpv", {}), ("2.25bpv", {}), ("2.25bpv", {"value_scaling": "minmax-fp16"}),
+                            ("2.15bpv", {}), ("2.15bpv", {"key_scaling": "absmax-e4m3"})]:
+        sc = Recorder()
+        try:
+            check_budgets(budget, geometry, reference, sc.modalities, **{**FAST, **options})
+            refused_early = None
+        except BudgetError as e:
+            refused_early = str(e)
+        try:
+            search(budget=budget, n_trials=1, scorer=sc, out=None, profile=False, **{**FAST, **options})
+            refused = None
+        except BudgetError as e:
+            refused = str(e)
+        assert refused_early == refused, (budget, options)
+        outcomes.append(refused is None)
+    assert outcomes == [False, True, False, False, True]  # the formats decide, both ways
+
+
 def test_residual_bits_reach_every_scored_plan_and_the_export(tmp_path):
     sc = Recorder()
     out = tmp_path / "plan.yaml"
