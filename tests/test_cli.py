@@ -106,7 +106,7 @@ def test_search_then_explain_then_load(tmp_path, smollm2):
 
 @pytest.mark.slow
 def test_search_budget_below_cheapest_fails_fast():
-    r = _kvplan("search", "--budget", "1.5bpv", "--samples", "2", "--history-tokens", "96", "--quiet")
+    r = _kvplan("search", "--budget", "0.1bpv", "--samples", "2", "--history-tokens", "96", "--quiet")
     assert r.returncode == 2
     assert "cheapest reachable plan" in r.stderr and "Traceback" not in r.stderr
 
@@ -136,13 +136,18 @@ def test_search_head_profile_option_reaches_the_search(monkeypatch, tmp_path, va
     assert seen.get("profile_head_units", "unset") == expected
 
 
-@pytest.mark.parametrize("flags,refused", [([], None), (["--value-scaling", "minmax-fp16"], "2.3750"),
-                                           (["--key-scaling", "absmax-e4m3", "--budget", "2.15bpv"], None),
-                                           (["--budget", "2.15bpv"], "2.1875")])
+@pytest.mark.parametrize("flags,refused", [
+    (["--stream-window", "0"], None), (["--stream-window", "0", "--value-scaling", "minmax-fp16"], "2.3750"),
+    (["--stream-window", "0", "--key-scaling", "absmax-e4m3", "--budget", "2.15bpv"], None),
+    (["--stream-window", "0", "--budget", "2.15bpv"], "2.1875"),
+    (["--budget", "2.15bpv"], None),  # the default search streams KV heads, which go lower
+    (["--budget", "2.15bpv", "--no-profile"], "2.1875"),  # ... chosen from the profile
+    (["--budget", "0.2bpv"], "0.2822")])
 def test_search_budget_check_before_prefill_uses_the_searched_formats(monkeypatch, tmp_path, capsys, flags, refused):
-    """The budget check before the prefill reads the space search() will search (formats included): the
-    default formats reach 2.1875 bpv on the default model's geometry (values absmax-e4m3), fp16 value scales
-    2.3750; it once used fp16 scales for values whatever the search would use, refusing 2.3 bpv."""
+    """The budget check before the prefill reads the space search() will search (formats and streamed heads
+    included): without streaming the default formats reach 2.1875 bpv on the default model's geometry (values
+    absmax-e4m3), fp16 value scales 2.3750, and every head streamed 0.2822; it once used fp16 scales for values
+    and no streaming whatever the search would use, refusing 2.3 bpv."""
     import types
 
     import kvplan.search

@@ -80,6 +80,7 @@ from ..surrogates import ForestSurrogate, PlanFeatures, log_kl
 from .budget import (
     EPS,
     BpvModel,
+    BudgetError,
     group_damage,
     knapsack_seed,
     parse_budget,
@@ -791,8 +792,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
 
     key_scaling, value_scaling, codebooks = _formats(key_scaling, value_scaling, codebooks)
 
-    if stream_window is None:  # on where the search can stream
-        stream_window = DEFAULT_STREAM_WINDOW if granularity == "slot" and not heavy_length and profile else 0
+    stream_window = _stream_window(stream_window, granularity, heavy_length, profile)
     if stream_window and not profile:
         raise KVPlanError("stream_window: streamed heads are chosen from the sensitivity profile, which "
                           "profile=False (--no-profile) turns off")
@@ -878,9 +878,18 @@ def _formats(key_scaling, value_scaling, codebooks) -> tuple[str, str, tuple[str
             tuple(DEFAULT_FORMATS["codebooks"] if codebooks is None else codebooks))
 
 
+def _stream_window(stream_window, granularity: str, heavy_length: int, profile) -> int:
+    """search()'s stream window: the one given, or for ``None`` ``DEFAULT_STREAM_WINDOW`` where the search
+    can stream (slot granularity, no heavy-hitter copies, a sensitivity profile), else 0."""
+    if stream_window is None:
+        return DEFAULT_STREAM_WINDOW if granularity == "slot" and not heavy_length and profile else 0
+    return int(stream_window)
+
+
 # the keywords of search() that set what the cheapest plan of its space stores (check_budgets reads them)
 BUDGET_OPTIONS = ("bits", "group_sizes", "residual_lengths", "key_axes", "sink_lengths", "key_scaling",
-                  "value_scaling", "codebooks", "residual_bits", "recent_lengths", "sink_bits", "heavy_length")
+                  "value_scaling", "codebooks", "residual_bits", "recent_lengths", "sink_bits", "heavy_length",
+                  "stream_window", "profile")
 
 
 def check_budgets(budgets, geometry: Geometry, reference: Reference, modalities: Sequence[str] = ("text",),
@@ -888,15 +897,38 @@ def check_budgets(budgets, geometry: Geometry, reference: Reference, modalities:
     """Raise :class:`BudgetError` when a budget (``"2.5bpv"``, a number, or a list of them) is below the
     cheapest plan :func:`search` can reach with the same keywords (``options``: :data:`BUDGET_OPTIONS`
     of search(), each missing one at search()'s default; other keywords are ignored) on ``geometry`` at
-    ``reference``. Milliseconds: the CLI runs it before the full-precision prefill, search() before
-    any study work, on the same space."""
+    ``reference``: every slot at the lowest bits, or, where the search streams KV heads, every head it
+    may stream streamed (the full-attention layers' heads, with an attention sink as the streaming profile
+    keeps one) and the rest at the lowest bits. Milliseconds: the CLI runs it before the full-precision
+    prefill, search() before any study work, on the same space."""
     defaults = {k: p.default for k, p in inspect.signature(search).parameters.items() if k in BUDGET_OPTIONS}
     opts = {**defaults, **{k: v for k, v in options.items() if k in BUDGET_OPTIONS}}
     opts["key_scaling"], opts["value_scaling"], opts["codebooks"] = _formats(
         opts["key_scaling"], opts["value_scaling"], opts["codebooks"])
-    model = BpvModel(SearchSpace(geometry, tuple(modalities), granularity, **opts), reference)
+    window = _stream_window(opts.pop("stream_window"), granularity, opts["heavy_length"], opts.pop("profile"))
+    space = SearchSpace(geometry, tuple(modalities), granularity, **opts)
+    floor, q = BpvModel(space, reference).cheapest()
+    how = f"every slot at {space.bits[0]} bits"
+    heads = [(l, h) for l in range(geometry.num_layers) if geometry.layer_types[l] == "full"
+             for h in range(geometry.num_kv_heads)]
+    if window and heads:
+        sinks = tuple(s for s in opts["sink_lengths"] if s > 0) or tuple(opts["sink_lengths"])
+        streamed = SearchSpace(geometry, tuple(modalities), granularity, **{**opts, "sink_lengths": sinks},
+                               streamed_heads=heads, stream_window=window)
+        streamed_floor, streamed_q = BpvModel(streamed, reference).cheapest()
+        if streamed_floor < floor:
+            floor, q = streamed_floor, streamed_q
+            how = f"the {len(heads)} KV heads of full-attention layers streamed with window {window}" + (
+                f", every other slot at {space.bits[0]} bits" if len(heads) < geometry.num_layers * geometry.num_kv_heads
+                else "")
     for b in budgets if isinstance(budgets, (list, tuple)) else [budgets]:
-        model.check_budget(parse_budget(b))
+        budget = parse_budget(b)
+        if budget + EPS < floor:
+            raise BudgetError(
+                f"budget {budget:g} bpv is below the cheapest reachable plan in this search space: {floor:.4f} bpv "
+                f"({how}, group_size {q.group_size}, residual_length {q.residual_length}, at context_len "
+                f"{reference.context_len}); raise the budget or widen the space (bits, group_sizes, "
+                f"residual_lengths{'; streamed KV heads, stream_window with a profile, go lower' if not window else ''})")
 
 
 def locals_for_run(ns: dict) -> dict:

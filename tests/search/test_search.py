@@ -109,8 +109,19 @@ def test_sink_length_is_searched_and_exported(run):
 def test_infeasible_budget_fails_fast():
     sc = Recorder()
     with pytest.raises(BudgetError, match="cheapest reachable plan"):
-        search(budget="2.0bpv", n_trials=5, scorer=sc, out=None, **FAST)
+        search(budget="2.0bpv", n_trials=5, scorer=sc, out=None, stream_window=0, **FAST)
+    with pytest.raises(BudgetError, match="KV heads of full-attention layers streamed"):
+        search(budget="0.1bpv", n_trials=5, scorer=sc, out=None, **FAST)
     assert sc.calls == 0
+
+
+def test_streamed_heads_reach_budgets_below_every_slot_at_the_lowest_bits():
+    """2.0 bpv is below every slot at 2 bits here (2.2031); streaming some heads reaches it, and every
+    scored trial and the exported plan are within it."""
+    sc = Recorder()
+    r = search(budget="2.0bpv", n_trials=12, scorer=sc, out=None, **FAST)
+    assert r.plan.bpv().total <= 2.0 + 1e-9 and max(sc.trial_bpv) <= 2.0 + 1e-9
+    assert (r.plan.code_table() == 0).any()  # streamed heads
 
 
 def test_check_budgets_refuses_exactly_what_search_refuses():
@@ -120,8 +131,12 @@ def test_check_budgets_refuses_exactly_what_search_refuses():
 
     geometry, reference = Recorder().geometry, Recorder().reference
     outcomes = []
-    for budget, options in [("2.0bpv", {}), ("2.25bpv", {}), ("2.25bpv", {"value_scaling": "minmax-fp16"}),
-                            ("2.15bpv", {}), ("2.15bpv", {"key_scaling": "absmax-e4m3"})]:
+    no_stream = {"stream_window": 0}
+    for budget, options in [("2.0bpv", no_stream), ("2.25bpv", no_stream),
+                            ("2.25bpv", {**no_stream, "value_scaling": "minmax-fp16"}), ("2.15bpv", no_stream),
+                            ("2.15bpv", {**no_stream, "key_scaling": "absmax-e4m3"}),
+                            # streamed heads go below every slot at 2 bits: the default streams, unless no profile
+                            ("2.0bpv", {}), ("2.0bpv", {"profile": False}), ("0.1bpv", {})]:
         sc = Recorder()
         try:
             check_budgets(budget, geometry, reference, sc.modalities, **{**FAST, **options})
@@ -129,13 +144,13 @@ def test_check_budgets_refuses_exactly_what_search_refuses():
         except BudgetError as e:
             refused_early = str(e)
         try:
-            search(budget=budget, n_trials=1, scorer=sc, out=None, profile=False, **{**FAST, **options})
+            search(budget=budget, n_trials=1, scorer=sc, out=None, **{**FAST, **options})
             refused = None
         except BudgetError as e:
             refused = str(e)
         assert refused_early == refused, (budget, options)
         outcomes.append(refused is None)
-    assert outcomes == [False, True, False, False, True]  # the formats decide, both ways
+    assert outcomes == [False, True, False, False, True, True, False, False]  # formats and streaming decide
 
 
 def test_residual_bits_reach_every_scored_plan_and_the_export(tmp_path):
