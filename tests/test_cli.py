@@ -173,6 +173,23 @@ def test_search_budget_check_before_prefill_uses_the_searched_formats(monkeypatc
         assert rc == 2 and not searched and "cheapest reachable plan" in err and refused in err, err
 
 
+def test_search_refuses_a_stream_window_without_a_profile_before_the_prefill(monkeypatch, tmp_path, capsys):
+    import types
+
+    import kvplan.search.scorers
+    from kvplan.cli import main
+    from kvplan.plans import Reference
+
+    def fake_scorers(*a, before_prefill=None, **k):
+        before_prefill(Geometry(30, 3, 64, ("full",) * 30, "llama"), Reference(512, (("text", 1.0),)), ("text",))
+        raise AssertionError("prefill reached")
+
+    monkeypatch.setattr(kvplan.search.scorers, "task_scorers", fake_scorers)
+    rc = main(["search", "--quiet", "--stream-window", "8", "--no-profile", "--out", str(tmp_path / "p.yaml")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "stream_window: streamed heads are chosen from the sensitivity profile" in err, err
+
+
 def test_search_head_profile_rejects_a_negative_count():
     r = _kvplan("search", "--head-profile", "-1")
     assert r.returncode == 2 and "--head-profile" in r.stderr and "must be at least 0" in r.stderr

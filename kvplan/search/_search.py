@@ -793,15 +793,6 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     key_scaling, value_scaling, codebooks = _formats(key_scaling, value_scaling, codebooks)
 
     stream_window = _stream_window(stream_window, granularity, heavy_length, profile)
-    if stream_window and not profile:
-        raise KVPlanError("stream_window: streamed heads are chosen from the sensitivity profile, which "
-                          "profile=False (--no-profile) turns off")
-    if stream_window and granularity != "slot":
-        raise KVPlanError(f"stream_window: streamed heads are chosen per KV head, which needs granularity 'slot' "
-                          f"(got {granularity!r})")
-    if stream_window and heavy_length:
-        raise KVPlanError("stream_window and heavy_length: streamed KV heads and heavy-hitter copies are not "
-                          "supported together")
 
     def make_space(key_basis, feedback_metric=None, streamed=()):
         return SearchSpace(geometry, modalities, granularity, bits, group_sizes, residual_lengths, key_axes,
@@ -880,9 +871,19 @@ def _formats(key_scaling, value_scaling, codebooks) -> tuple[str, str, tuple[str
 
 def _stream_window(stream_window, granularity: str, heavy_length: int, profile) -> int:
     """search()'s stream window: the one given, or for ``None`` ``DEFAULT_STREAM_WINDOW`` where the search
-    can stream (slot granularity, no heavy-hitter copies, a sensitivity profile), else 0."""
+    can stream (slot granularity, no heavy-hitter copies, a sensitivity profile), else 0; refuses a window
+    the search cannot use."""
     if stream_window is None:
         return DEFAULT_STREAM_WINDOW if granularity == "slot" and not heavy_length and profile else 0
+    if stream_window and not profile:
+        raise KVPlanError("stream_window: streamed heads are chosen from the sensitivity profile, which "
+                          "profile=False (--no-profile) turns off")
+    if stream_window and granularity != "slot":
+        raise KVPlanError(f"stream_window: streamed heads are chosen per KV head, which needs granularity 'slot' "
+                          f"(got {granularity!r})")
+    if stream_window and heavy_length:
+        raise KVPlanError("stream_window and heavy_length: streamed KV heads and heavy-hitter copies are not "
+                          "supported together")
     return int(stream_window)
 
 
