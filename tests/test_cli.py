@@ -174,8 +174,6 @@ def test_search_budget_check_before_prefill_uses_the_searched_formats(monkeypatc
 
 
 def test_search_refuses_a_stream_window_without_a_profile_before_the_prefill(monkeypatch, tmp_path, capsys):
-    import types
-
     import kvplan.search.scorers
     from kvplan.cli import main
     from kvplan.plans import Reference
