@@ -70,11 +70,8 @@ import optuna
 from optuna.trial import TrialState
 
 from ..errors import KVPlanError
-from ..kernels.qtypes import FULL_PRECISION_BITS
-from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
 from ..models.modality import TOKEN_IDS_NAME
-from ..models.rope import multimodal_rope, rope_inv_freq
 from ..plans import Plan, Provenance, QuantizerSettings, Reference, atomic_write_text
 from ..surrogates import ForestSurrogate, PlanFeatures, log_kl
 from .budget import (
@@ -91,9 +88,10 @@ from .key_basis import basis_of_moments, query_second_moments
 from .sensitivity import DEFAULT_HEAD_UNITS, correction_factor, recent_factor, run_profile, slot_sensitivity
 from .streaming import (STREAM_PARTS_KEYS, STREAM_SCALE_KEY, calibrate_streaming, choose_streamed,
                         run_streaming_profile)
-from .space import (DEFAULT_BITS, DEFAULT_FORMATS, DEFAULT_GROUP_SIZES, DEFAULT_HEAVY_LENGTH, DEFAULT_KEY_AXES,
-                    DEFAULT_KEY_CORRECTION_RANK, DEFAULT_RECENT_LENGTHS, DEFAULT_RESIDUAL_BITS,
-                    DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS, DEFAULT_SINK_LENGTHS, DEFAULT_TRIALS, SearchSpace, DEFAULT_STREAM_WINDOW)
+from .config import SearchConfig, resolve_formats, resolve_stream_window
+from .space import (DEFAULT_BITS, DEFAULT_GROUP_SIZES, DEFAULT_HEAVY_LENGTH, DEFAULT_KEY_AXES, DEFAULT_RECENT_LENGTHS,
+                    DEFAULT_RESIDUAL_BITS, DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS, DEFAULT_SINK_LENGTHS,
+                    DEFAULT_TRIALS, SearchSpace)
 from ..errors import describe
 from ..plans._files import sidecar_paths, write_file_set  # noqa: F401 -- sidecar_paths is public here
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
@@ -762,50 +760,15 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         reference = getattr(scorer, "reference", None) or Reference()
     if context_len is not None and reference.context_len != context_len:
         reference = Reference(int(context_len), reference.modality_mix, reference.full_precision_bits)
-    has_queries = hasattr(scorer, "model") and hasattr(scorer, "calibration_sequences")
-    if key_correction_rank is None:
-        key_correction_rank = DEFAULT_KEY_CORRECTION_RANK if has_queries else 0
-    if error_feedback is None:
-        error_feedback = has_queries
-    if error_feedback and not has_queries:
-        raise KVPlanError("error_feedback needs a scorer with .model and .calibration_sequences() to learn the "
-                          "metrics from (the built-in harness scorer has both); pass error_feedback=False")
-    if key_correction_rank and not has_queries:
-        raise KVPlanError("key_correction_rank > 0 needs a scorer with .model and .calibration_sequences() to "
-                          "learn the query bases from (the built-in harness scorer has both); pass "
-                          "key_correction_rank=0 to search without the key correction")
-    if rotation is None:
-        rotation = "hadamard" if hadamard_fits(geometry.head_dim) else "none"
-    rope_model = getattr(scorer, "model", None) or (model if hasattr(model, "named_buffers") else None)
-    inv_freq = rope_inv_freq(rope_model) if rope_model is not None else None
-    # pre-RoPE keys are rotated back at their cache index; under multimodal (3-D) RoPE an image
-    # token's rotation is set by its grid position instead, so the frame would not be the model's
-    mrope = rope_model is not None and multimodal_rope(rope_model)
-    if key_pre_rope is None:
-        key_pre_rope = inv_freq is not None and not mrope
-    if key_pre_rope and mrope:
-        raise KVPlanError("key_pre_rope: this model uses multimodal RoPE (3-D positions for image tokens), which "
-                          "cache indices do not reproduce; search with key_pre_rope=False (--no-pre-rope-keys)")
-    if key_pre_rope and inv_freq is None:
-        raise KVPlanError("key_pre_rope needs the model's RoPE frequencies: pass a loaded RoPE model (or a scorer "
-                          "with .model), or key_pre_rope=False")
-
-    key_scaling, value_scaling, codebooks = _formats(key_scaling, value_scaling, codebooks)
-
-    stream_window = _stream_window(stream_window, granularity, heavy_length, profile)
-
-    def make_space(key_basis, feedback_metric=None, streamed=()):
-        return SearchSpace(geometry, modalities, granularity, bits, group_sizes, residual_lengths, key_axes,
-                           sink_lengths=sink_lengths, key_basis=key_basis, key_correction_bits=key_correction_bits,
-                           rotation=rotation, rope_inv_freq=inv_freq if key_pre_rope else None,
-                           key_scaling=key_scaling, value_scaling=value_scaling, codebooks=codebooks,
-                           labelling=labelling_name, residual_bits=residual_bits, recent_lengths=recent_lengths,
-                           sink_bits=sink_bits, feedback_metric=feedback_metric, heavy_length=heavy_length,
-                           streamed_heads=streamed, stream_window=stream_window if streamed else 0)
-
-    options = locals()
-    check_budgets(budgets, geometry, reference, modalities, granularity,  # before any study or basis work
-                  **{k: options[k] for k in BUDGET_OPTIONS})
+    config = SearchConfig.resolve(
+        scorer=scorer, model=model, geometry=geometry, modalities=modalities, granularity=granularity, bits=bits,
+        group_sizes=group_sizes, residual_lengths=residual_lengths, key_axes=key_axes, sink_lengths=sink_lengths,
+        key_correction_rank=key_correction_rank, key_correction_bits=key_correction_bits, rotation=rotation,
+        key_pre_rope=key_pre_rope, key_scaling=key_scaling, value_scaling=value_scaling, codebooks=codebooks,
+        labelling=labelling_name, residual_bits=residual_bits, recent_lengths=recent_lengths, sink_bits=sink_bits,
+        heavy_length=heavy_length, stream_window=stream_window, error_feedback=error_feedback, profile=profile)
+    check_budgets(budgets, geometry, reference, modalities, granularity, profile=profile,  # before any study work
+                  **{k: getattr(config, k) for k in BUDGET_OPTIONS if k != "profile"})
     data_hash = getattr(scorer, "data_hash", None)
     model_name = getattr(scorer, "model_name", None)
 
@@ -838,53 +801,23 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         "data_hash": data_hash, "budgets": sorted(budgets), "multi_objective": multi,
         "reference": {"context_len": reference.context_len, "modality_mix": dict(reference.modality_mix),
                       "full_precision_bits": reference.full_precision_bits},
-        "space": {"granularity": granularity, "bits": list(bits), "group_sizes": list(group_sizes),
-                  "residual_lengths": list(residual_lengths), "key_axes": list(key_axes),
-                  "sink_lengths": list(sink_lengths), "key_correction_rank": int(key_correction_rank),
-                  "key_correction_bits": int(key_correction_bits), "rotation": rotation,
-                  "key_pre_rope": bool(key_pre_rope), "key_scaling": key_scaling, "value_scaling": value_scaling,
-                  "codebooks": list(codebooks),
-                  # only when set: studies made before the field existed stay joinable
-                  **({"residual_bits": residual_bits} if residual_bits != FULL_PRECISION_BITS else {}),
-                  **({"sink_bits": sink_bits} if sink_bits != FULL_PRECISION_BITS else {}),
-                  **({"heavy_length": heavy_length} if heavy_length else {}),
-                  **({"stream_window": stream_window} if stream_window else {}),
-                  **({"error_feedback": True} if error_feedback else {}),
-                  **({"recent_lengths": sorted(set(recent_lengths))} if tuple(recent_lengths) != (0,) else {})}})
+        "space": config.identity()})
     _check_identity(study, identity, study_name, label)
     owner = {**owner_attrs(), "worker": worker, "data_hash": data_hash}
     hb = Heartbeat(st)
     try:
-        return _run_study(**locals_for_run(locals()))
+        return _run_study(
+            study=study, study_name=study_name, label=label, persistent=persistent, hb=hb, owner=owner,
+            identity=identity, config=config, scorer=scorer, validation_scorer=validation_scorer,
+            test_scorer=test_scorer, reference=reference, budgets=budgets, multi=multi, profile=profile,
+            profile_head_units=profile_head_units, progress=progress, seed=seed, sampler_seed=sampler_seed,
+            n_trials=n_trials, surrogate=surrogate, n_candidates=n_candidates, n_local=n_local, top_k=top_k,
+            n_startup=n_startup, kappa=kappa, surrogate_offset=surrogate_offset, baselines=baselines,
+            final_candidates=final_candidates, out=out, finalize=finalize, t_start=t_start)
     finally:
         hb.close()
         for x in own_scorers:
             x.close()
-
-
-def _formats(key_scaling, value_scaling, codebooks) -> tuple[str, str, tuple[str, ...]]:
-    """The slot formats of every searched plan: the ones given, ``DEFAULT_FORMATS`` for each ``None``."""
-    return (DEFAULT_FORMATS["key_scaling"] if key_scaling is None else key_scaling,
-            DEFAULT_FORMATS["value_scaling"] if value_scaling is None else value_scaling,
-            tuple(DEFAULT_FORMATS["codebooks"] if codebooks is None else codebooks))
-
-
-def _stream_window(stream_window, granularity: str, heavy_length: int, profile) -> int:
-    """search()'s stream window: the one given, or for ``None`` ``DEFAULT_STREAM_WINDOW`` where the search
-    can stream (slot granularity, no heavy-hitter copies, a sensitivity profile), else 0; refuses a window
-    the search cannot use."""
-    if stream_window is None:
-        return DEFAULT_STREAM_WINDOW if granularity == "slot" and not heavy_length and profile else 0
-    if stream_window and not profile:
-        raise KVPlanError("stream_window: streamed heads are chosen from the sensitivity profile, which "
-                          "profile=False (--no-profile) turns off")
-    if stream_window and granularity != "slot":
-        raise KVPlanError(f"stream_window: streamed heads are chosen per KV head, which needs granularity 'slot' "
-                          f"(got {granularity!r})")
-    if stream_window and heavy_length:
-        raise KVPlanError("stream_window and heavy_length: streamed KV heads and heavy-hitter copies are not "
-                          "supported together")
-    return int(stream_window)
 
 
 # the keywords of search() that set what the cheapest plan of its space stores (check_budgets reads them)
@@ -904,9 +837,9 @@ def check_budgets(budgets, geometry: Geometry, reference: Reference, modalities:
     prefill, search() before any study work, on the same space."""
     defaults = {k: p.default for k, p in inspect.signature(search).parameters.items() if k in BUDGET_OPTIONS}
     opts = {**defaults, **{k: v for k, v in options.items() if k in BUDGET_OPTIONS}}
-    opts["key_scaling"], opts["value_scaling"], opts["codebooks"] = _formats(
+    opts["key_scaling"], opts["value_scaling"], opts["codebooks"] = resolve_formats(
         opts["key_scaling"], opts["value_scaling"], opts["codebooks"])
-    window = _stream_window(opts.pop("stream_window"), granularity, opts["heavy_length"], opts.pop("profile"))
+    window = resolve_stream_window(opts.pop("stream_window"), granularity, opts["heavy_length"], opts.pop("profile"))
     space = SearchSpace(geometry, tuple(modalities), granularity, **opts)
     floor, q = BpvModel(space, reference).cheapest()
     how = f"every slot at {space.bits[0]} bits"
@@ -932,15 +865,6 @@ def check_budgets(budgets, geometry: Geometry, reference: Reference, modalities:
                 f"residual_lengths{'; streamed KV heads, stream_window with a profile, go lower' if not window else ''})")
 
 
-def locals_for_run(ns: dict) -> dict:
-    keys = ("study", "study_name", "label", "storage", "persistent", "hb", "owner", "identity", "make_space",
-            "scorer", "validation_scorer", "test_scorer", "reference", "budgets", "multi", "granularity",
-            "key_correction_rank", "profile", "profile_head_units", "progress", "seed", "sampler_seed", "n_trials",
-            "surrogate", "n_candidates", "n_local", "top_k", "n_startup", "kappa", "surrogate_offset", "baselines",
-            "final_candidates", "out", "finalize", "geometry", "t_start", "error_feedback", "stream_window")
-    return {k: ns[k] for k in keys}
-
-
 def _check_identity(study: optuna.Study, identity: dict, study_name: str, label, attrs=None) -> None:
     old = (study.user_attrs if attrs is None else attrs).get("kvplan.identity")
     if old is None:
@@ -959,12 +883,15 @@ def _check_identity(study: optuna.Study, identity: dict, study_name: str, label,
                               "--study-name, or the study's model, task and search options")
 
 
-def _run_study(*, study, study_name, label, storage, persistent, hb, owner, identity, make_space, scorer,
-               validation_scorer, test_scorer, reference, budgets, multi, granularity, key_correction_rank, profile,
-               profile_head_units, progress, seed, sampler_seed, n_trials, surrogate, n_candidates, n_local, top_k,
-               n_startup, kappa, surrogate_offset, baselines, final_candidates, out, finalize, geometry,
-               t_start, error_feedback, stream_window) -> SearchResult:
+def _run_study(*, study, study_name, label, persistent, hb, owner, identity, config: SearchConfig, scorer,
+               validation_scorer, test_scorer, reference, budgets, multi, profile, profile_head_units, progress, seed,
+               sampler_seed, n_trials, surrogate, n_candidates, n_local, top_k, n_startup, kappa, surrogate_offset,
+               baselines, final_candidates, out, finalize, t_start) -> SearchResult:
     import sys
+
+    geometry, make_space = config.geometry, config.space
+    key_correction_rank, error_feedback, stream_window = (config.key_correction_rank, config.error_feedback,
+                                                          config.stream_window)
 
     def say(msg: str) -> None:
         if progress:
@@ -1087,7 +1014,7 @@ def _run_study(*, study, study_name, label, storage, persistent, hb, owner, iden
         s.run()
 
     def export() -> None:
-        res = _finalize(study=study, space=space, s=s, budgets=budgets, multi=multi, granularity=granularity,
+        res = _finalize(study=study, space=space, s=s, budgets=budgets, multi=multi, granularity=config.granularity,
                         seed=seed, study_name=study_name, storage_label=label, prof=prof, desc=desc,
                         reference=reference, validation_scorer=validation_scorer, test_scorer=test_scorer,
                         final_candidates=final_candidates, scorer=scorer, geometry=geometry, out=out, owner=owner)
