@@ -231,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="slot = layer x KV head x K/V x modality; layer_kv = KVTuner space; kvtuner = its pairs")
     s.add_argument("--trials", type=_positive, default=DEFAULT_TRIALS,
                    help="real (scored) evaluations in the study, after the sensitivity profile "
-                        "(337 evaluations on the default model: each (layer, K/V) unit, each KV head of each unit, each head "
-                        "streamed); default %(default)s, chosen on the validation split")
+                        "(337 evaluations on the default model: each (layer, K/V) unit, each KV head of each unit, "
+                        "each head streamed); default %(default)s, chosen on the validation split")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--task", default="default",
                    help="'default' (offline Python docs) or a JSONL task file (records: history, optional images, "

@@ -77,7 +77,6 @@ from ..surrogates import ForestSurrogate, PlanFeatures, log_kl
 from .budget import (
     EPS,
     BpvModel,
-    BudgetError,
     group_damage,
     knapsack_seed,
     parse_budget,
@@ -87,7 +86,7 @@ from .feedback_metric import feedback_metric, output_projections
 from .key_basis import basis_of_moments, query_second_moments
 from .sensitivity import DEFAULT_HEAD_UNITS, correction_factor, recent_factor, run_profile, slot_sensitivity
 from .streaming import (STREAM_PARTS_KEYS, STREAM_SCALE_KEY, calibrate_streaming, choose_streamed,
-                        run_streaming_profile)
+                        run_streaming_profile, searched_stream_heads, stream_sink)
 from .config import SearchConfig, resolve_formats, resolve_stream_window
 from .space import (DEFAULT_BITS, DEFAULT_GROUP_SIZES, DEFAULT_HEAVY_LENGTH, DEFAULT_KEY_AXES, DEFAULT_RECENT_LENGTHS,
                     DEFAULT_RESIDUAL_BITS, DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS, DEFAULT_SINK_LENGTHS,
@@ -841,28 +840,17 @@ def check_budgets(budgets, geometry: Geometry, reference: Reference, modalities:
         opts["key_scaling"], opts["value_scaling"], opts["codebooks"])
     window = resolve_stream_window(opts.pop("stream_window"), granularity, opts["heavy_length"], opts.pop("profile"))
     space = SearchSpace(geometry, tuple(modalities), granularity, **opts)
-    floor, q = BpvModel(space, reference).cheapest()
-    how = f"every slot at {space.bits[0]} bits"
-    heads = [(l, h) for l in range(geometry.num_layers) if geometry.layer_types[l] == "full"
-             for h in range(geometry.num_kv_heads)]
-    if window and heads:
-        sinks = tuple(s for s in opts["sink_lengths"] if s > 0) or tuple(opts["sink_lengths"])
-        streamed = SearchSpace(geometry, tuple(modalities), granularity, **{**opts, "sink_lengths": sinks},
-                               streamed_heads=heads, stream_window=window)
-        streamed_floor, streamed_q = BpvModel(streamed, reference).cheapest()
-        if streamed_floor < floor:
-            floor, q = streamed_floor, streamed_q
-            how = f"the {len(heads)} KV heads of full-attention layers streamed with window {window}" + (
-                f", every other slot at {space.bits[0]} bits" if len(heads) < geometry.num_layers * geometry.num_kv_heads
-                else "")
+    model = BpvModel(space, reference)
+    heads = searched_stream_heads(geometry)
+    if window and heads:  # with the sink the streaming profile keeps (streaming_optimum uses no other)
+        sinks = tuple(s for s in space.sink_lengths if s >= stream_sink(space))
+        streamed = BpvModel(SearchSpace(geometry, tuple(modalities), granularity, **{**opts, "sink_lengths": sinks},
+                                        streamed_heads=heads, stream_window=window), reference)
+        if streamed.cheapest()[0] < model.cheapest()[0]:
+            model = streamed
+    hint = "" if window else "; streamed KV heads, stream_window with a profile, go lower"
     for b in budgets if isinstance(budgets, (list, tuple)) else [budgets]:
-        budget = parse_budget(b)
-        if budget + EPS < floor:
-            raise BudgetError(
-                f"budget {budget:g} bpv is below the cheapest reachable plan in this search space: {floor:.4f} bpv "
-                f"({how}, group_size {q.group_size}, residual_length {q.residual_length}, at context_len "
-                f"{reference.context_len}); raise the budget or widen the space (bits, group_sizes, "
-                f"residual_lengths{'; streamed KV heads, stream_window with a profile, go lower' if not window else ''})")
+        model.check_budget(parse_budget(b), hint)
 
 
 def _check_identity(study: optuna.Study, identity: dict, study_name: str, label, attrs=None) -> None:
@@ -889,10 +877,6 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
                baselines, final_candidates, out, finalize, t_start) -> SearchResult:
     import sys
 
-    geometry, make_space = config.geometry, config.space
-    key_correction_rank, error_feedback, stream_window = (config.key_correction_rank, config.error_feedback,
-                                                          config.stream_window)
-
     def say(msg: str) -> None:
         if progress:
             print(f"kvplan search: {msg}", file=sys.stderr, flush=True)
@@ -905,27 +889,27 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
         nonlocal n_profile_evals
         attrs = study.user_attrs
         basis = metric = None
-        if key_correction_rank and attrs.get("kvplan.key_basis") is not None:
+        if config.key_correction_rank and attrs.get("kvplan.key_basis") is not None:
             basis = decode_array(attrs["kvplan.key_basis"])
-        if error_feedback and attrs.get("kvplan.feedback_metric") is not None:
+        if config.error_feedback and attrs.get("kvplan.feedback_metric") is not None:
             metric = decode_array(attrs["kvplan.feedback_metric"])
-        if (key_correction_rank and basis is None) or (error_feedback and metric is None):
+        if (config.key_correction_rank and basis is None) or (config.error_feedback and metric is None):
             # one pass over the calibration samples for both; every worker uses these exact bytes, in
             # as many processes as the scorer scores its samples in (the same sums with any)
             moments = query_second_moments(scorer.model, scorer.calibration_sequences(),
                                            processes=getattr(getattr(scorer, "processes", None), "processes", 1))
-            if key_correction_rank and basis is None:  # float32 [L, H_kv, D, r]
-                basis = basis_of_moments(moments, key_correction_rank)
-            if error_feedback and metric is None:  # float32 [L, 2, H_kv, D, D]
-                projections = output_projections(scorer.model, geometry.num_layers)
+            if config.key_correction_rank and basis is None:  # float32 [L, H_kv, D, r]
+                basis = basis_of_moments(moments, config.key_correction_rank)
+            if config.error_feedback and metric is None:  # float32 [L, 2, H_kv, D, D]
+                projections = output_projections(scorer.model, config.geometry.num_layers)
                 if projections is None:
                     say("error feedback: the model's attention has no o_proj; values get an identity metric "
                         "(nearest-level codes)")
-                metric = feedback_metric(moments, projections, make_space(None).rotations, reference.context_len)
+                metric = feedback_metric(moments, projections, config.space(None).rotations, reference.context_len)
         study.set_user_attr("kvplan.key_basis", encode_array(np.asarray(basis)) if basis is not None else None)
         study.set_user_attr("kvplan.feedback_metric", encode_array(np.asarray(metric, dtype=np.float16))
                            if metric is not None else None)
-        space = make_space(basis, metric)
+        space = config.space(basis, metric)
         prof = attrs.get("kvplan.profile")
         if isinstance(profile, Mapping):
             prof = {str(k): float(v) for k, v in profile.items()}
@@ -951,25 +935,25 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
             n_profile_evals = len(prof)
             study.set_user_attr("kvplan.profile_by", owner)
         streamed = []
-        if stream_window and prof is not None:
+        if config.stream_window and prof is not None:
             if not any(".stream.h" in k for k in prof):
                 say("streaming profile: each full-attention KV head streamed alone")
                 stream = run_streaming_profile(getattr(scorer, "score_profile_plan", scorer), space, reference,
-                                               stream_window)
+                                               config.stream_window)
                 n_profile_evals += len(stream)
                 prof = {**prof, **stream}
             if not any(k in prof for k in (STREAM_SCALE_KEY, *STREAM_PARTS_KEYS)):
                 calibration = calibrate_streaming(getattr(scorer, "score_profile_plan", scorer), space, reference,
-                                                  prof, stream_window, min(budgets))
+                                                  prof, config.stream_window, min(budgets))
                 n_profile_evals += sum(k in calibration for k in STREAM_PARTS_KEYS)
                 prof = {**prof, **calibration}
                 if STREAM_SCALE_KEY in calibration:
                     say(f"streaming damage scale {calibration[STREAM_SCALE_KEY]:.3g} (the damage model's optimum, "
                         f"measured: quantized slots {calibration[STREAM_PARTS_KEYS[0]]:.4g}, streamed heads "
                         f"{calibration[STREAM_PARTS_KEYS[1]]:.4g} KL)")
-            streamed = choose_streamed(space, reference, prof, stream_window, min(budgets))
-            say(f"streamed KV heads (window {stream_window}): {len(streamed)} of "
-                f"{sum(t == 'full' for t in geometry.layer_types) * geometry.num_kv_heads}")
+            streamed = choose_streamed(space, reference, prof, config.stream_window, min(budgets))
+            say(f"streamed KV heads (window {config.stream_window}): {len(streamed)} of "
+                f"{len(searched_stream_heads(config.geometry))}")
         study.set_user_attr("kvplan.streamed", [list(x) for x in streamed])
         study.set_user_attr("kvplan.profile", prof)
         study.set_user_attr("kvplan.ready", {"by": owner})
@@ -985,7 +969,7 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
     run_once(study, "setup", "kvplan.ready", setup, owner, hb, persistent, on_wait=waiting_for("sensitivity profile"))
     attrs = study.user_attrs
     basis_attr, metric_attr = attrs.get("kvplan.key_basis"), attrs.get("kvplan.feedback_metric")
-    space = make_space(decode_array(basis_attr) if basis_attr else None,
+    space = config.space(decode_array(basis_attr) if basis_attr else None,
                        decode_array(metric_attr) if metric_attr else None,
                        [tuple(x) for x in attrs.get("kvplan.streamed") or []])
     bmodel = BpvModel(space, reference)
@@ -1017,7 +1001,8 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
         res = _finalize(study=study, space=space, s=s, budgets=budgets, multi=multi, granularity=config.granularity,
                         seed=seed, study_name=study_name, storage_label=label, prof=prof, desc=desc,
                         reference=reference, validation_scorer=validation_scorer, test_scorer=test_scorer,
-                        final_candidates=final_candidates, scorer=scorer, geometry=geometry, out=out, owner=owner)
+                        final_candidates=final_candidates, scorer=scorer, geometry=config.geometry, out=out,
+                        owner=owner)
         holder["result"] = res
         study.set_user_attr("kvplan.final", {
             "run_id": res["run_id"], "by": owner, "paths": res["paths"], "n_trials": res["n_trials"],

@@ -186,16 +186,22 @@ class BpvModel:
     def feasible_quantizers(self, budget: float) -> list[QuantizerSettings]:
         return [t.quantizer for t in self._terms.values() if t.floor <= budget + EPS]
 
-    def check_budget(self, budget: float) -> None:
-        """Raise :class:`BudgetError` naming the cheapest reachable bpv when ``budget`` is below it."""
+    def check_budget(self, budget: float, hint: str = "") -> None:
+        """Raise :class:`BudgetError` naming the cheapest reachable bpv when ``budget`` is below it (``hint``:
+        more ways to widen the space, appended to the message)."""
         lo, q = self.cheapest()
         if budget + EPS < lo:
-            ref = self.reference
+            space, ref = self.space, self.reference
+            how = f"every slot at {space.bits[0]} bits"
+            n_streamed, g = len(space.streamed_heads), space.geometry
+            if n_streamed:
+                how = f"{n_streamed} KV heads streamed with window {space.fixed_fields['stream_window']}" + (
+                    f", every other slot at {space.bits[0]} bits" if n_streamed < g.num_layers * g.num_kv_heads
+                    else "")
             raise BudgetError(
                 f"budget {budget:g} bpv is below the cheapest reachable plan in this search space: {lo:.4f} bpv "
-                f"(every slot at {self.space.bits[0]} bits, group_size {q.group_size}, residual_length "
-                f"{q.residual_length}, at context_len {ref.context_len}); raise the budget or widen the space "
-                f"(bits, group_sizes, residual_lengths)")
+                f"({how}, group_size {q.group_size}, residual_length {q.residual_length}, at context_len "
+                f"{ref.context_len}); raise the budget or widen the space (bits, group_sizes, residual_lengths{hint})")
 
 
 def group_damage(space: SearchSpace, slot_sensitivity: np.ndarray | None,

@@ -29,6 +29,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ..kernels.qtypes import FULL_PRECISION_BITS, STREAMED
+from ..models.geometry import Geometry
 from ..plans import Plan, Provenance, QuantizerSettings, Reference
 from ..plans.accounting import committed_length, stream_tokens
 from .budget import BpvModel, greedy_knapsack, group_damage
@@ -47,20 +48,23 @@ def stream_sink(space: SearchSpace) -> int:
     return min([s for s in space.sink_lengths if s > 0], default=0)
 
 
+def searched_stream_heads(geometry: Geometry) -> list[tuple[int, int]]:
+    """The ``(layer, KV head)``s the search profiles streamed and may stream: every head of a full-attention
+    layer (a plan may stream heads of sliding layers, the search does not: module docstring)."""
+    return [(layer, head) for layer in range(geometry.num_layers) if geometry.layer_types[layer] == "full"
+            for head in range(geometry.num_kv_heads)]
+
+
 def streaming_plans(space: SearchSpace, reference: Reference, stream_window: int) -> dict[str, Plan]:
-    """One plan per KV head of a full-attention layer: that head streamed, every other slot at 16 bits,
+    """One plan per KV head of :func:`searched_stream_heads`: that head streamed, every other slot at 16 bits,
     with the sink of :func:`stream_sink`."""
     q = replace(profile_quantizer(space), stream_window=stream_window, sink_length=stream_sink(space))
-    L, H = space.shape[:2]
     plans = {}
-    for layer in range(L):
-        if space.geometry.layer_types[layer] != "full":
-            continue  # a plan may stream heads of sliding layers, the search does not (module docstring)
-        for head in range(H):
-            table = np.full(space.shape, FULL_PRECISION_BITS, dtype=np.int64)
-            table[layer, head] = STREAMED
-            plans[stream_key(layer, head)] = space.plan_of_table(
-                table, q, reference, provenance=Provenance(produced_by="kvplan search profile"))
+    for layer, head in searched_stream_heads(space.geometry):
+        table = np.full(space.shape, FULL_PRECISION_BITS, dtype=np.int64)
+        table[layer, head] = STREAMED
+        plans[stream_key(layer, head)] = space.plan_of_table(
+            table, q, reference, provenance=Provenance(produced_by="kvplan search profile"))
     return plans
 
 
