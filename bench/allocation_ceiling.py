@@ -76,6 +76,11 @@ def streamed_heads(plan: Plan) -> list[tuple[int, int]]:
     return [(int(l), int(h)) for l, h in np.argwhere((plan.code_table() == STREAMED)[:, :, 0, 0])]
 
 
+def streamed_damage(profile: dict, heads) -> float:
+    """The streaming profile's damage of ``heads`` (each streamed alone, rest at full precision), summed."""
+    return sum(max(profile[stream_key(l, h)], 0.0) for l, h in heads)
+
+
 def search_profile(plan_path: str) -> dict:
     """The calibration sensitivity profile the search wrote beside ``plan_path`` (``<plan>.search.json``)."""
     with open(os.path.splitext(plan_path)[0] + ".search.json") as f:
@@ -98,7 +103,7 @@ def predicted_damage(space: SearchSpace, damage: np.ndarray, plan: Plan, profile
         if profile is None:
             raise SystemExit(f"{plan.name}: streams KV heads; their damage needs the profile")
         scale = float(profile.get(STREAM_SCALE_KEY, 1.0))
-        out += scale * sum(max(profile[stream_key(l, h)], 0.0) for l, h in heads)
+        out += scale * streamed_damage(profile, heads)
     return out
 
 
@@ -190,8 +195,8 @@ def main() -> None:
     for label, plan in rows:
         v, m = val[label], test[label]
         lines.append(f"| {label} | {plan.bpv().total:.4f} | {predicted(plan) / best_pred:.2f} | {v['kl']:.4f} | "
-                     f"{v['kl'] / val[best]['kl']:.2f} | {m['kl']:.4f} [{m['kl_ci95_lo']:.4f}, {m['kl_ci95_hi']:.4f}] | "
-                     f"{m['kl'] / test[best]['kl']:.2f} |")
+                     f"{v['kl'] / val[best]['kl']:.2f} | {m['kl']:.4f} [{m['kl_ci95_lo']:.4f}, "
+                     f"{m['kl_ci95_hi']:.4f}] | {m['kl'] / test[best]['kl']:.2f} |")
     lines += ["", f"Best baseline on validation: {best}."]
     if one_bit:
         lines += ["", "With a hypothetical 1-bit level (damage model only, not measured):", "",

@@ -72,7 +72,8 @@ def baseline_plans(searched: Plan, profile: dict, budget: float) -> list[tuple[s
     base = np.full((g.num_layers, g.num_kv_heads), 2, dtype=np.int64)
     rows = [("uniform K2V2", plan_of(base, "uniform-k2v2"))]
     if corr:
-        rows.append(("uniform K2V2, key correction on every key", plan_of(slot_code(base, corrected=True), "uniform-k2v2-corr")))
+        rows.append(("uniform K2V2, key correction on every key",
+                     plan_of(slot_code(base, corrected=True), "uniform-k2v2-corr")))
     order = key_ranking(profile, g.num_layers, g.num_kv_heads)
     for high in (4, 3):
         keys = slot_code(base, corr)

@@ -29,13 +29,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.allocation_ceiling import plan_space, predicted_damage, search_profile, streamed_heads  # noqa: E402
+from bench.allocation_ceiling import (plan_space, predicted_damage, search_profile, streamed_damage,  # noqa: E402
+                                     streamed_heads)
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
 from kvplan.search.budget import group_damage  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
 from kvplan.search.sensitivity import correction_factor, slot_sensitivity  # noqa: E402
-from kvplan.search.streaming import stream_key, streaming_parts  # noqa: E402
+from kvplan.search.streaming import streaming_parts  # noqa: E402
 
 
 def main() -> None:
@@ -59,7 +60,7 @@ def main() -> None:
 
     space = plan_space(quantized_only)
     damage = group_damage(space, slot_sensitivity(space, profile), correction_factor(profile))
-    predicted = {"streamed": sum(max(profile[stream_key(l, h)], 0.0) for l, h in heads),
+    predicted = {"streamed": streamed_damage(profile, heads),
                  "quantized": predicted_damage(space, damage, quantized_only)}
     predicted["whole"] = predicted["streamed"] + predicted["quantized"]
 
