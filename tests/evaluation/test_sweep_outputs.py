@@ -24,3 +24,17 @@ def test_sweep_csv_and_json_written_as_one_set(tmp_path, monkeypatch):
         pass
     assert {p: open(paths[p]).read() for p in ("csv", "json")} == before
     assert sorted(os.listdir(tmp_path)) == ["sweep.csv", "sweep.json", "sweep.png"]
+
+
+def test_run_sweep_writes_files_only_where_asked(tmp_path, monkeypatch, smol):
+    """A library call writes nothing unless given ``out_dir`` (``kvplan sweep`` passes ``sweep-results``)."""
+    from kvplan.evaluation import run_sweep
+
+    monkeypatch.chdir(tmp_path)
+    kw = dict(samples=1, bits=(2,), history_tokens=128, eval_tokens=8, progress=False, verbose=False)
+    res = run_sweep(**kw)
+    assert res["paths"] == {} and os.listdir(tmp_path) == []
+    assert {r["bits"] for r in res["rows"]} >= {2} and all(r["kl"] >= 0 for r in res["rows"])
+    res = run_sweep(out_dir="out", **kw)
+    assert sorted(os.listdir(tmp_path / "out")) == ["sweep.csv", "sweep.json", "sweep.png"]
+    assert set(res["paths"]) == {"csv", "json", "png"}

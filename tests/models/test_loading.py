@@ -42,6 +42,18 @@ def test_gguf_conversion_is_cached_and_identical(tmp_path, monkeypatch):
 
 
 
+def test_load_model_freezes_the_model_and_leaves_torchs_grad_mode_alone(smollm2):
+    """A library load must not switch off autograd for the user's whole process (it used to call
+    ``torch.set_grad_enabled(False)``): the model's own parameters are frozen instead."""
+    model, tok = smollm2
+    assert torch.is_grad_enabled()
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    logits = model(torch.tensor([tok("a KV cache").input_ids])).logits
+    assert not logits.requires_grad and logits.grad_fn is None
+    x = torch.ones(2, requires_grad=True)
+    assert (x * 2).sum().grad_fn is not None  # the user's own tensors still record gradients
+
+
 @pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False), ("off", False), ("False", False)])
 def test_model_cache_switch(monkeypatch, value, enabled):
     from kvplan.models.loading import model_cache_enabled

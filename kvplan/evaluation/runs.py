@@ -1,0 +1,174 @@
+"""What ``kvplan eval`` and ``kvplan sweep`` run: :func:`run_eval` and :func:`run_sweep` (a model, a task split,
+its full-precision prefills, then one plan's scores or the sensitivity sweep), and :func:`get_model`, the
+per-process model memo they share with the tests and the search's scorers."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from ..models.geometry import Geometry
+from ..plans import BASELINES
+from .baselines import evaluate_peer, head_sensitivity, headguard_from_sensitivity, named_plan, parse_peer
+from .harness import evaluate, prepare_samples
+from .sweep import SWEEP_BITS, format_layers, format_ratios, format_table, sweep_prepared, write_sweep
+from .tasks import pad_token_id, task_samples
+
+_MODELS: dict[tuple, Any] = {}
+
+
+class _threads:
+    """Temporarily set torch's intra-op threads (``None``: leave as is, e.g. what ``kvplan
+    --threads`` set). On a shared 2-core machine, 2 spinning OpenMP threads per process were
+    ~10x slower than 1 (measured while other jobs ran): pass ``num_threads=1`` there."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __enter__(self):
+        import torch
+
+        self.old = torch.get_num_threads()
+        if self.n:
+            torch.set_num_threads(self.n)
+
+    def __exit__(self, *a):
+        import torch
+
+        torch.set_num_threads(self.old)
+
+
+def get_model(model="smollm2-135m", dtype: str = "float32"):
+    """``(model, processor)``: a name/path loaded once per process, or a ``(model, processor)`` pair as is."""
+    if isinstance(model, tuple):
+        return model
+    import torch
+
+    from ..models import load_model
+
+    key = (model, dtype)
+    if key not in _MODELS:
+        _MODELS[key] = load_model(model, dtype=getattr(torch, dtype))
+    return _MODELS[key]
+
+
+def _modalities(samples) -> tuple[str, ...]:
+    present = set()
+    for s in samples:
+        present.update(s.history_labels)
+    return ("text",) + tuple(sorted(present - {"text"}))
+
+
+def _short(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in r.items() if k != "samples"}
+
+
+def _print_eval(r: dict[str, Any]) -> None:
+    print(f"plan: {r['plan']}   samples: {r['n']}   bpv: {r['bpv']:.3f} (real bytes: {r['bpv_measured']:.3f}, "
+          f"{r['storage_bits']}-bit storage)")
+    print(f"{'metric':<14}{'mean':>12}{'95% CI':>26}")
+    for k in ("kl", "kl_answer", "nll", "nll_fp", "delta_nll", "top1", "acc", "acc_fp", "choice_agree"):
+        if k in r:
+            m, (lo, hi) = r[k]["mean"], r[k]["ci95"]
+            print(f"{k:<14}{m:>12.5f}   [{lo:>10.5f}, {hi:>10.5f}]")
+    for kind, mods in r["quantized_tokens"].items():
+        for mod, n in mods.items():
+            print(f"quantized {kind.upper()} {mod}: {n:.0f} tokens ({n / max(1, r['n']):.1f}/sample)")
+
+
+def run_eval(plan_or_baseline, model="smollm2-135m", task: str = "default", split: str = "test",
+             samples: int = 16, out: str | os.PathLike | None = None, *, seed: int = 0, history_tokens: int = 512,
+             eval_tokens: int = 32, dtype: str = "float32", num_threads: int | None = None, progress: bool = True,
+             verbose: bool = True) -> dict:
+    """Evaluate a plan under the historical-cache protocol and return (and optionally write) the results.
+
+    ``plan_or_baseline``: a :class:`~kvplan.Plan`, a plan YAML path, a baseline name
+    (``fp16``, ``int8``, ``int4``, ``int2``, ``k4v2``, with optional ``-g64``/``-g128``),
+    ``"headguard"`` (sensitivity on the calibration split, top 1/8 heads protected, rest
+    INT2), or a transformers QuantizedCache peer ``quanto-int2`` / ``hqq-int4``...
+    """
+    with _threads(num_threads):
+        return _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_tokens, eval_tokens,
+                         dtype, progress, verbose)
+
+
+def _prepared_task(model, dtype, task, split, samples, history_tokens, eval_tokens, seed, progress):
+    """Model, task samples and their full-precision prefills: ``(m, proc, samples, prepared, modalities, kw)``."""
+    m, proc = get_model(model, dtype)
+    kw = {"history_tokens": history_tokens, "eval_tokens": eval_tokens} if task == "default" else {}
+    ss = task_samples(task, m, proc, split=split, n=samples, seed=seed, **kw)
+    prepared = prepare_samples(m, ss, pad_id=pad_token_id(proc), progress=progress)
+    return m, proc, ss, prepared, _modalities(ss), kw
+
+
+def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_tokens, eval_tokens, dtype,
+              progress, verbose) -> dict:
+    t0 = time.perf_counter()
+    m, proc, ss, prepared, mods, kw = _prepared_task(model, dtype, task, split, samples, history_tokens,
+                                                     eval_tokens, seed, progress)
+    peer = parse_peer(plan_or_baseline) if isinstance(plan_or_baseline, str) else None
+    if peer is not None:
+        r = evaluate_peer(m, peer[0], peer[1], prepared, seed=seed, progress=progress)
+    else:
+        plan = plan_or_baseline
+        if plan == "headguard":
+            bulk = [x for x in mods if x != "text"]
+            bulk_mod = bulk[0] if bulk else "text"
+            cal = task_samples(task, m, proc, split="calibration", n=min(samples, 8), seed=seed, **kw)
+            cprep = prepare_samples(m, cal, pad_id=pad_token_id(proc), progress=progress)
+            sens = head_sensitivity(m, cprep, modality=bulk_mod, progress=progress)
+            plan = headguard_from_sensitivity(m, sens["score"], modalities=mods, protected_modality=bulk_mod)
+        elif isinstance(plan, str) and plan.partition("-g")[0] in BASELINES:
+            plan = named_plan(plan, m, modalities=mods)
+        r = evaluate(m, plan, prepared, seed=seed, progress=progress)
+    r["task"] = {"task": task, "split": split, "samples": len(ss), "seed": seed, "history_tokens": history_tokens,
+                 "eval_tokens": eval_tokens, "dtype": dtype, "model": model if isinstance(model, str) else "<object>"}
+    r["seconds"] = time.perf_counter() - t0
+    if verbose:
+        _print_eval(r)
+    if out is not None:
+        from ..plans import atomic_write_text
+
+        atomic_write_text(out, json.dumps(r, indent=1, default=float))
+    return r
+
+
+def run_sweep(model="smollm2-135m", samples: int = 16, out_dir: str | os.PathLike | None = None, *,
+              task: str = "default", split: str = "test", bits=SWEEP_BITS, seed: int = 0,
+              history_tokens: int = 512, eval_tokens: int = 32, group_size: int = 32, dtype: str = "float32",
+              num_threads: int | None = None, progress: bool = True, verbose: bool = True) -> dict:
+    """{FP16, INT8, INT4, INT2} x {each modality} x {K, V}: quantize only that part of the history.
+
+    Writes ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``out_dir`` (``None``, the default: no files;
+    ``kvplan sweep`` writes ``sweep-results/``); returns ``{"rows", "ratios", "results", "paths", "seconds",
+    "meta"}`` (``paths`` empty without ``out_dir``).
+    """
+    with _threads(num_threads):
+        return _run_sweep(model, samples, out_dir, task, split, bits, seed, history_tokens, eval_tokens, group_size,
+                          dtype, progress, verbose)
+
+
+def _run_sweep(model, samples, out_dir, task, split, bits, seed, history_tokens, eval_tokens, group_size, dtype,
+               progress, verbose) -> dict:
+    t0 = time.perf_counter()
+    m, proc, ss, prepared, mods, _ = _prepared_task(model, dtype, task, split, samples, history_tokens,
+                                                    eval_tokens, seed, progress)
+    res = sweep_prepared(m, prepared, mods, bits=bits, seed=seed, group_size=group_size, progress=progress)
+    res["seconds"] = time.perf_counter() - t0
+    meta = {"model": model if isinstance(model, str) else "<object>", "task": task, "split": split,
+            "samples": len(ss), "seed": seed, "history_tokens": history_tokens, "eval_tokens": eval_tokens,
+            "group_size": group_size, "residual_length": 0, "dtype": dtype, "modalities": list(mods),
+            "layer_types": list(Geometry.of(m).layer_types), "sliding_window": Geometry.of(m).sliding_window,
+            "seconds": res["seconds"], "title": f"{model if isinstance(model, str) else 'model'}: "
+                                                f"{len(ss)} samples, {history_tokens}-token history"}
+    res["paths"] = {} if out_dir is None else write_sweep(res, os.fspath(out_dir), meta)
+    res["meta"] = meta
+    if verbose:
+        print(format_layers(Geometry.of(m)))
+        print(format_table(res["rows"]))
+        print()
+        print(format_ratios(res["ratios"]))
+        print(f"wall time: {res['seconds']:.1f} s")
+    return res
