@@ -199,9 +199,9 @@ def test_threads_reach_the_evaluation(monkeypatch):
 
     monkeypatch.setattr(kvplan.models, "load_model", stub)
     # a model an earlier test loaded stays in the per-process cache and would skip load_model
-    import kvplan.evaluation
+    import kvplan.evaluation.runs
 
-    monkeypatch.setattr(kvplan.evaluation, "_MODELS", {})
+    monkeypatch.setattr(kvplan.evaluation.runs, "_MODELS", {})
     before = torch.get_num_threads()
     n = 3 if before != 3 else 2
     try:
