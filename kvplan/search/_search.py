@@ -194,18 +194,33 @@ def _key(levels, q) -> tuple:
 MAX_DUPLICATE_ASKS = 8  # TPE proposals repairing to known plans before falling back to a mutation
 
 
+@dataclass(frozen=True)
+class SurrogateSettings:
+    """How the search proposes trials (the module docstring's loop): after ``n_startup`` complete trials,
+    ``n_candidates`` TPE asks and ``n_local`` mutations of the best plans are ranked by the forest's
+    ``mean - kappa * std`` of predicted log-KL (of log-KL minus the profile's prior where ``offset``), and
+    the best ``top_k`` are evaluated; ``enabled=False``: plain TPE. :func:`search`'s keywords of the same
+    names (``surrogate``, ``surrogate_offset`` for ``enabled`` and ``offset``) build it."""
+
+    enabled: bool = True
+    n_candidates: int = 4
+    n_local: int = 32
+    top_k: int = 2
+    n_startup: int = 8
+    kappa: float = 0.5
+    offset: bool = True
+
+
 class _Searcher:
     def __init__(self, *, space: SearchSpace, reference: Reference, budgets: list[float], scorer: Scorer,
-                 study: optuna.Study, seed: int, rng_seed: int, n_trials: int, surrogate: bool, n_candidates: int,
-                 n_local: int, top_k: int, n_startup: int, kappa: float, persistent: bool, progress: bool,
-                 profile: dict | None, multi: bool = False, prior_offset: bool = True,
+                 study: optuna.Study, seed: int, rng_seed: int, n_trials: int, strategy: SurrogateSettings,
+                 persistent: bool, progress: bool, profile: dict | None, multi: bool = False,
                  heartbeat: Heartbeat | None = None, owner: dict | None = None):
         self.space, self.reference, self.budgets, self.scorer = space, reference, budgets, scorer
         self.budget = max(budgets)  # the repair ceiling (every trial fits the loosest budget)
         self.multi = multi or len(budgets) > 1
         self.study, self.seed, self.n_trials = study, seed, n_trials
-        self.use_surrogate, self.n_candidates, self.n_local = surrogate, n_candidates, n_local
-        self.top_k, self.n_startup, self.kappa = top_k, n_startup, kappa
+        self.strategy = strategy
         self.persistent, self.show_progress = persistent, progress
         self.rng = np.random.default_rng(rng_seed)
         self.model = BpvModel(space, reference)
@@ -217,7 +232,6 @@ class _Searcher:
                                      with_recent=len(space.recent_lengths) > 1)
         self.n_evals = 0
         self.bar = None
-        self.use_prior_offset = prior_offset
         self.hb = heartbeat or Heartbeat(None)
         self.owner = owner or owner_attrs()
         self.mine: set[int] = set()  # trial ids this worker holds (RUNNING)
@@ -251,7 +265,7 @@ class _Searcher:
     def _offset(self, items: list[tuple[np.ndarray, Any]]) -> np.ndarray | None:
         """The surrogate's baseline: log of the profile's additive damage estimate (``None``
         without a profile); the forest learns the rest (see :class:`ForestSurrogate`)."""
-        if self.profile is None or not self.use_prior_offset:
+        if self.profile is None or not self.strategy.offset:
             return None
         return np.log(np.maximum([self.prior(lv, q) for lv, q in items], 1e-12))
 
@@ -479,11 +493,11 @@ class _Searcher:
         sur = ForestSurrogate(seed=self.seed + len(done)).fit(self._features(items), y, self._offset(items))
         seen = self.evaluated_keys()
         cands: list[tuple[np.ndarray, Any, Any, str]] = []  # (levels, q, asked trial or None, source)
-        asked = [self.ask() for _ in range(self.n_candidates)]
+        asked = [self.ask() for _ in range(self.strategy.n_candidates)]
         for t in asked:
             lv, q = self.repaired(t.params)
             cands.append((lv, q, t, "tpe+surrogate"))
-        for lv, q in self.mutations(self.n_local):
+        for lv, q in self.mutations(self.strategy.n_local):
             cands.append((lv, q, None, "mutation+surrogate"))
         uniq, keys = [], set()
         for c in cands:
@@ -496,8 +510,8 @@ class _Searcher:
         preds = np.zeros(len(uniq))
         if uniq:
             pool = [(c[0], c[1]) for c in uniq]
-            order, preds = sur.rank(self._features(pool), self.kappa, self._offset(pool))
-            chosen = set(int(i) for i in order[: self.top_k])
+            order, preds = sur.rank(self._features(pool), self.strategy.kappa, self._offset(pool))
+            chosen = set(int(i) for i in order[: self.strategy.top_k])
         chosen_ids = {id(uniq[i]) for i in chosen}
         evaluated_trials = set()
         for i, c in enumerate(uniq):
@@ -552,7 +566,7 @@ class _Searcher:
                         self.bar.set_description_str("kvplan search (waiting for other workers)")
                     time.sleep(POLL_S)
                     continue
-                if self.waiting() or not self.use_surrogate or n < self.n_startup:
+                if self.waiting() or not self.strategy.enabled or n < self.strategy.n_startup:
                     self.step_single()
                 else:
                     self.step_surrogate()
@@ -640,7 +654,9 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            profile: bool | Mapping[str, float] = True,
            profile_head_units: int | None = DEFAULT_HEAD_UNITS, baselines: bool = True, surrogate: bool = True,
            surrogate_offset: bool = True,
-           n_candidates: int = 4, n_local: int = 32, top_k: int = 2, n_startup: int = 8, kappa: float = 0.5,
+           n_candidates: int = SurrogateSettings.n_candidates, n_local: int = SurrogateSettings.n_local,
+           top_k: int = SurrogateSettings.top_k, n_startup: int = SurrogateSettings.n_startup,
+           kappa: float = SurrogateSettings.kappa,
            worker: int | None = None, progress: bool = True, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_S,
            grace_period: int | None = DEFAULT_GRACE_S, finalize: bool = False, labelling=None,
            processes: int | None = None) -> SearchResult:
@@ -792,8 +808,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         sampler_seed = (seed * 1_000_003 + os.getpid() * 31 + n_existing) % (2 ** 31)
     else:
         sampler_seed = seed
-    study.sampler = optuna.samplers.TPESampler(seed=sampler_seed, multivariate=True, n_startup_trials=n_startup,
-                                               constant_liar=True)
+    strategy = SurrogateSettings(enabled=surrogate, n_candidates=n_candidates, n_local=n_local, top_k=top_k,
+                                 n_startup=n_startup, kappa=kappa, offset=surrogate_offset)
+    study.sampler = optuna.samplers.TPESampler(seed=sampler_seed, multivariate=True,
+                                               n_startup_trials=strategy.n_startup, constant_liar=True)
     # what a worker must share with the study to join it (refused otherwise, naming the difference)
     identity = _plain({
         "model": {"name": model_name, "model_type": geometry.model_type, "fingerprint": geometry.fingerprint},
@@ -810,9 +828,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
             identity=identity, config=config, scorer=scorer, validation_scorer=validation_scorer,
             test_scorer=test_scorer, reference=reference, budgets=budgets, multi=multi, profile=profile,
             profile_head_units=profile_head_units, progress=progress, seed=seed, sampler_seed=sampler_seed,
-            n_trials=n_trials, surrogate=surrogate, n_candidates=n_candidates, n_local=n_local, top_k=top_k,
-            n_startup=n_startup, kappa=kappa, surrogate_offset=surrogate_offset, baselines=baselines,
-            final_candidates=final_candidates, out=out, finalize=finalize, t_start=t_start)
+            n_trials=n_trials, strategy=strategy, baselines=baselines, final_candidates=final_candidates, out=out,
+            finalize=finalize, t_start=t_start)
     finally:
         hb.close()
         for x in own_scorers:
@@ -873,8 +890,8 @@ def _check_identity(study: optuna.Study, identity: dict, study_name: str, label,
 
 def _run_study(*, study, study_name, label, persistent, hb, owner, identity, config: SearchConfig, scorer,
                validation_scorer, test_scorer, reference, budgets, multi, profile, profile_head_units, progress, seed,
-               sampler_seed, n_trials, surrogate, n_candidates, n_local, top_k, n_startup, kappa, surrogate_offset,
-               baselines, final_candidates, out, finalize, t_start) -> SearchResult:
+               sampler_seed, n_trials, strategy: SurrogateSettings, baselines, final_candidates, out, finalize,
+               t_start) -> SearchResult:
     import sys
 
     def say(msg: str) -> None:
@@ -988,10 +1005,8 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
         prof = {str(k): float(v) for k, v in profile.items()}
 
     s = _Searcher(space=space, reference=reference, budgets=sorted(budgets), scorer=scorer, study=study, seed=seed,
-                  rng_seed=sampler_seed, n_trials=n_trials, surrogate=surrogate, n_candidates=n_candidates,
-                  n_local=n_local, top_k=top_k, n_startup=n_startup, kappa=kappa, persistent=persistent,
-                  progress=progress, profile=prof, multi=multi, prior_offset=surrogate_offset, heartbeat=hb,
-                  owner=owner)
+                  rng_seed=sampler_seed, n_trials=n_trials, strategy=strategy, persistent=persistent,
+                  progress=progress, profile=prof, multi=multi, heartbeat=hb, owner=owner)
     s.check_identity = lambda attrs: _check_identity(study, identity, study_name, label, attrs)
     if not finalize:
         run_once(study, "seed", "kvplan.seeded", lambda: s.enqueue_seeds(baselines), owner, hb, persistent)
@@ -1055,7 +1070,7 @@ def _finalize(*, study, space, s, budgets, multi, granularity, seed, study_name,
     n_profile = len(prof) - (STREAM_SCALE_KEY in prof) if prof else 0  # every other entry is a measured KL
     base_metrics = {"search": {"granularity": granularity, "n_trials": len(done), "n_profile_evals": n_profile,
                                "seed": seed, "study_name": study_name,
-                               "surrogate": s.use_surrogate, "run_id": run_id}}
+                               "surrogate": s.strategy.enabled, "run_id": run_id}}
     for b in sorted(budgets):
         fits = sorted((t for t in done if t.user_attrs["kvplan.bpv"] <= b + EPS), key=lambda t: (t.values[0], t.number))
         if not fits:
