@@ -71,11 +71,6 @@ def plan_space(plan: Plan, **choices) -> SearchSpace:
     return SearchSpace(plan.geometry, plan.modalities, "slot", **{**fixed, **choices})
 
 
-def streamed_heads(plan: Plan) -> list[tuple[int, int]]:
-    """The ``(layer, KV head)``s ``plan`` streams (bits 0), in layer then head order."""
-    return [(int(l), int(h)) for l, h in np.argwhere((plan.code_table() == STREAMED)[:, :, 0, 0])]
-
-
 def streamed_damage(profile: dict, heads) -> float:
     """The streaming profile's damage of ``heads`` (each streamed alone, rest at full precision), summed."""
     return sum(max(profile[stream_key(l, h)], 0.0) for l, h in heads)
@@ -98,7 +93,7 @@ def predicted_damage(space: SearchSpace, damage: np.ndarray, plan: Plan, profile
         raise SystemExit(f"{plan.name}: its bit table is not in the slot search space")
     quantized = ~streamed.reshape(-1)[[g.slots[0] for g in space.groups]]  # slot granularity: one slot a group
     out = float(damage[np.arange(len(levels)), levels][quantized].sum())
-    heads = streamed_heads(plan)
+    heads = plan.streamed_heads()
     if heads:
         if profile is None:
             raise SystemExit(f"{plan.name}: streams KV heads; their damage needs the profile")
@@ -141,7 +136,7 @@ def main() -> None:
     profile = search_profile(args.plan)
     budget = searched.target_bpv or searched.bpv().total
     q = searched.quantizer
-    streams = bool(streamed_heads(searched))
+    streams = bool(searched.streamed_heads())
     space = plan_space(searched)  # no streamed heads: every slot has its levels
     (space_q,) = space.quantizers()  # the plan's quantizer, but for streaming's window (not in this space)
     model = BpvModel(space, searched.reference)

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.allocation_ceiling import plan_space, search_profile, streamed_heads  # noqa: E402
+from bench.allocation_ceiling import plan_space, search_profile  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
 from kvplan.search import BpvModel  # noqa: E402
@@ -87,7 +87,7 @@ def main() -> None:
     t0 = time.time()
     plan = Plan.from_yaml(args.plan)
     profile = search_profile(args.plan)
-    streamed = streamed_heads(plan)
+    streamed = plan.streamed_heads()
     extra = dict(streamed_heads=streamed, stream_window=plan.quantizer.stream_window) if streamed else {}
     space = plan_space(plan, **extra)
     model = BpvModel(space, plan.reference)

@@ -86,7 +86,7 @@ def baseline_plans(searched: Plan, profile: dict, budget: float) -> list[tuple[s
             keys, n = trial, n + 1
         rows.append((f"HeadGuard-style: {n} key heads at {high} bits, rest K2{'+corr' if corr else ''}V2",
                      plan_of(keys, f"headguard-k{high}")))
-    n_streamed = int((searched.code_table() == STREAMED)[:, :, 0, 0].sum())
+    n_streamed = len(searched.streamed_heads())
     if n_streamed:
         for n in sorted({max(1, round(n_streamed * f)) for f in (0.5, 0.75, 1, 1.5, 2)}):
             rows.append(rank_streaming(searched, profile, budget, n))

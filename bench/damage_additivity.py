@@ -29,8 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.allocation_ceiling import (plan_space, predicted_damage, search_profile, streamed_damage,  # noqa: E402
-                                     streamed_heads)
+from bench.allocation_ceiling import plan_space, predicted_damage, search_profile, streamed_damage  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
 from kvplan.search.budget import group_damage  # noqa: E402
@@ -51,7 +50,7 @@ def main() -> None:
     plan = Plan.from_yaml(args.plan)
     profile = search_profile(args.plan)
     table = plan.code_table()  # [L, H_kv, 2, M]
-    heads = streamed_heads(plan)
+    heads = plan.streamed_heads()
     if not heads:
         raise SystemExit(f"{args.plan}: the plan streams no KV head")
     quantized_table, streamed_table = streaming_parts(table)  # the parts the search's calibration scores

@@ -97,6 +97,11 @@ class Plan:
         """``bool [num_layers, num_kv_heads, 2, n_modalities]``: slots storing the key correction."""
         return split_codes(self.code_table())[1]
 
+    def streamed_heads(self) -> list[tuple[int, int]]:
+        """The ``(layer, KV head)``s this plan streams (their slots at bits 0, :data:`STREAMED`), in layer
+        then head order (validation makes a streamed head's every slot say 0)."""
+        return [(int(l), int(h)) for l, h in np.argwhere((self.code_table() == STREAMED)[:, :, 0, 0])]
+
     def slot_bits(self, layer: int, head: int, kind: str, modality: str) -> int:
         return int(self.table()[layer, head, KINDS.index(kind), self.modalities.index(modality)])
 

@@ -226,7 +226,7 @@ def _remove_attention(model) -> None:
 def streams(plan: Plan) -> bool:
     """Whether ``plan`` streams KV heads (slots at bits 0): every attention route, the dequantize one
     included, then runs kvplan's attention function, which masks what those heads do not store."""
-    return bool((plan.code_table() == STREAMED).any())
+    return bool(plan.streamed_heads())
 
 
 @contextlib.contextmanager

@@ -34,8 +34,10 @@ def test_bytes_equal_the_plan_at_every_length(bits, window, recent):
     recent copies, and none of them)."""
     base = with_quantizer(uniform_plan(GEOM, 2, group_size=32, residual_length=8, sink_length=1),
                           residual_bits=bits, recent_length=recent, stream_window=window)
-    plan = streamed(base, [(0, 1), (1, 0)])
+    plan = streamed(base, [(1, 0), (0, 1)])
+    assert plan.streamed_heads() == [(0, 1), (1, 0)] and base.streamed_heads() == []
     cache = KVPlanCache(plan, GEOM)
+    assert [layer.streamed for layer in cache.layers] == [(1,), (0,)]
     for T in prefill_then_decode(cache, 70):
         assert cache.bpv() == plan.bpv(context_len=T, full_precision_bits=32).total, (bits, T)
         layer = cache.layers[0]
