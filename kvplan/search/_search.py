@@ -3,7 +3,8 @@
 The flow (one worker; several workers run the same loop on one shared study):
 
 1. **Space and budget.** Build the :class:`SearchSpace`; parse the budget (honest bpv at
-   the reference); fail at once when the budget is below the cheapest reachable plan.
+   the reference); fail at once when the budget is below the cheapest reachable plan (before the
+   full-precision prefills when search() builds its own scorers, as the CLI does).
 2. **Shared setup** (once per study, by one worker: :func:`._workers.run_once`): the
    key-correction bases and the **sensitivity profile** (``profile=True``: KL with one
    (layer, kind) unit at the lowest bits, the rest full precision, see :mod:`.sensitivity`),
@@ -55,6 +56,7 @@ do not propose identical plans).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import inspect
 import io
@@ -164,12 +166,21 @@ def _metrics_of(res: Mapping) -> dict:
     return out
 
 
-def _default_scorers(model, task: str, seed: int, context_len: int | None, labelling=None, processes=None):
+def _default_scorers(model, task: str, seed: int, context_len: int | None, labelling=None, processes=None,
+                     before_prefill=None):
     """Calibration, validation and test scorers of ``task`` on ``model`` (a name/path or a
     loaded ``(model, processor)``), see :func:`kvplan.search.scorers.task_scorers`."""
     from .scorers import task_scorers
 
-    return task_scorers(model, task, seed=seed, context_len=context_len, labelling=labelling, processes=processes)
+    return task_scorers(model, task, seed=seed, context_len=context_len, labelling=labelling, processes=processes,
+                        before_prefill=before_prefill)
+
+
+def _stated_at(reference: Reference, context_len: int | None) -> Reference:
+    """``reference`` with the context length the budget is stated at (``context_len``; ``None``: its own)."""
+    if context_len is None or reference.context_len == context_len:
+        return reference
+    return Reference(int(context_len), reference.modality_mix, reference.full_precision_bits)
 
 
 def _pick_on_validation(candidates: list, validation_scorer, evaluate_params) -> tuple[Any, dict, list[dict]]:
@@ -744,85 +755,95 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         if test_scorer is not None:
             raise KVPlanError("pass test_scorer or its old name heldout_scorer, not both")
         test_scorer = heldout_scorer
-    own_scorers = []  # the scorers built here, whose worker processes are stopped at the end
-    if scorer is None:
-        from ..evaluation.parallel import default_processes
+    budget_options = dict(bits=bits, group_sizes=group_sizes, residual_lengths=residual_lengths, key_axes=key_axes,
+                          sink_lengths=sink_lengths, key_scaling=key_scaling, value_scaling=value_scaling,
+                          codebooks=codebooks, residual_bits=residual_bits, recent_lengths=recent_lengths,
+                          sink_bits=sink_bits, heavy_length=heavy_length, stream_window=stream_window, profile=profile)
+    assert set(budget_options) == set(BUDGET_OPTIONS)
+    with contextlib.ExitStack() as cleanup:  # stops the worker processes of the scorers built here, on any exit
+        if scorer is None:
+            from ..evaluation.parallel import default_processes
 
-        scorers = _default_scorers(model, task, seed, context_len, labelling, default_processes(processes, worker))
-        own_scorers = [x for x in (scorers.calibration, scorers.validation, scorers.test) if x is not None]
-        scorer = scorers.calibration
-        validation_scorer = validation_scorer or scorers.validation
-        test_scorer = test_scorer or scorers.test
-    elif task != "default":
-        raise KVPlanError("task= builds the scorers; do not pass scorer= with it")
-    elif labelling is not None:
-        raise KVPlanError("labelling= labels the samples of the scorers search builds; a scorer of yours carries "
-                          "its own (scorer.labelling)")
-    elif processes is not None:
-        raise KVPlanError("processes= is for the scorers search builds; give your scorer its own (HarnessScorer("
-                          "..., processes=N))")
-    labelling_name = getattr(getattr(scorer, "labelling", None), "name", TOKEN_IDS_NAME)
-    geometry = getattr(scorer, "geometry", None)
-    if geometry is None:
-        if isinstance(model, Geometry):
-            geometry = model
-        elif hasattr(model, "config"):
-            geometry = Geometry.of(model)
+            def check_before_prefill(task_geometry, task_reference, task_modalities):
+                """An unreachable budget is refused before the (slow) full-precision prefills."""
+                check_budgets(budgets, task_geometry, _stated_at(reference or task_reference, context_len),
+                              task_modalities, granularity, **budget_options)
+
+            scorers = _default_scorers(model, task, seed, context_len, labelling,
+                                       default_processes(processes, worker), check_before_prefill)
+            for x in (scorers.calibration, scorers.validation, scorers.test):
+                if x is not None:
+                    cleanup.callback(x.close)
+            scorer = scorers.calibration
+            validation_scorer = validation_scorer or scorers.validation
+            test_scorer = test_scorer or scorers.test
+        elif task != "default":
+            raise KVPlanError("task= builds the scorers; do not pass scorer= with it")
+        elif labelling is not None:
+            raise KVPlanError("labelling= labels the samples of the scorers search builds; a scorer of yours carries "
+                              "its own (scorer.labelling)")
+        elif processes is not None:
+            raise KVPlanError("processes= is for the scorers search builds; give your scorer its own (HarnessScorer("
+                              "..., processes=N))")
+        labelling_name = getattr(getattr(scorer, "labelling", None), "name", TOKEN_IDS_NAME)
+        geometry = getattr(scorer, "geometry", None)
+        if geometry is None:
+            if isinstance(model, Geometry):
+                geometry = model
+            elif hasattr(model, "config"):
+                geometry = Geometry.of(model)
+            else:
+                raise KVPlanError("the scorer has no .geometry and model is not a loaded model or Geometry")
+        modalities = tuple(getattr(scorer, "modalities", None) or ("text",))
+        reference = _stated_at(reference or getattr(scorer, "reference", None) or Reference(), context_len)
+        config = SearchConfig.resolve(
+            scorer=scorer, model=model, geometry=geometry, modalities=modalities, granularity=granularity, bits=bits,
+            group_sizes=group_sizes, residual_lengths=residual_lengths, key_axes=key_axes, sink_lengths=sink_lengths,
+            key_correction_rank=key_correction_rank, key_correction_bits=key_correction_bits, rotation=rotation,
+            key_pre_rope=key_pre_rope, key_scaling=key_scaling, value_scaling=value_scaling, codebooks=codebooks,
+            labelling=labelling_name, residual_bits=residual_bits, recent_lengths=recent_lengths, sink_bits=sink_bits,
+            heavy_length=heavy_length, stream_window=stream_window, error_feedback=error_feedback, profile=profile)
+        check_budgets(budgets, geometry, reference, modalities, granularity, profile=profile,  # before any study work
+                      **{k: getattr(config, k) for k in BUDGET_OPTIONS if k != "profile"})
+        data_hash = getattr(scorer, "data_hash", None)
+        model_name = getattr(scorer, "model_name", None)
+
+        st = make_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period)
+        label = describe_storage(storage)
+        persistent = is_persistent(st)
+        study_name = study_name or f"kvplan-{granularity}-{'-'.join(f'{b:g}' for b in budgets)}bpv-s{seed}"
+        if finalize and st is None:
+            raise KVPlanError("finalize: needs the --storage and --study-name of an existing study")
+        if finalize:
+            try:
+                study = optuna.load_study(study_name=study_name, storage=st)
+            except KeyError:
+                raise KVPlanError(f"--study-name {study_name}: no such study in --storage {label}") from None
         else:
-            raise KVPlanError("the scorer has no .geometry and model is not a loaded model or Geometry")
-    modalities = tuple(getattr(scorer, "modalities", None) or ("text",))
-    if reference is None:
-        reference = getattr(scorer, "reference", None) or Reference()
-    if context_len is not None and reference.context_len != context_len:
-        reference = Reference(int(context_len), reference.modality_mix, reference.full_precision_bits)
-    config = SearchConfig.resolve(
-        scorer=scorer, model=model, geometry=geometry, modalities=modalities, granularity=granularity, bits=bits,
-        group_sizes=group_sizes, residual_lengths=residual_lengths, key_axes=key_axes, sink_lengths=sink_lengths,
-        key_correction_rank=key_correction_rank, key_correction_bits=key_correction_bits, rotation=rotation,
-        key_pre_rope=key_pre_rope, key_scaling=key_scaling, value_scaling=value_scaling, codebooks=codebooks,
-        labelling=labelling_name, residual_bits=residual_bits, recent_lengths=recent_lengths, sink_bits=sink_bits,
-        heavy_length=heavy_length, stream_window=stream_window, error_feedback=error_feedback, profile=profile)
-    check_budgets(budgets, geometry, reference, modalities, granularity, profile=profile,  # before any study work
-                  **{k: getattr(config, k) for k in BUDGET_OPTIONS if k != "profile"})
-    data_hash = getattr(scorer, "data_hash", None)
-    model_name = getattr(scorer, "model_name", None)
-
-    st = make_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period)
-    label = describe_storage(storage)
-    persistent = is_persistent(st)
-    study_name = study_name or f"kvplan-{granularity}-{'-'.join(f'{b:g}' for b in budgets)}bpv-s{seed}"
-    if finalize and st is None:
-        raise KVPlanError("finalize: needs the --storage and --study-name of an existing study")
-    if finalize:
-        try:
-            study = optuna.load_study(study_name=study_name, storage=st)
-        except KeyError:
-            raise KVPlanError(f"--study-name {study_name}: no such study in --storage {label}") from None
-    else:
-        study = optuna.create_study(storage=st, study_name=study_name, load_if_exists=True,
-                                    directions=["minimize", "minimize"] if multi else ["minimize"])
-    n_existing = len(study.get_trials(deepcopy=False))
-    if worker is not None:
-        sampler_seed = seed + 7919 * worker
-    elif persistent:
-        sampler_seed = (seed * 1_000_003 + os.getpid() * 31 + n_existing) % (2 ** 31)
-    else:
-        sampler_seed = seed
-    strategy = SurrogateSettings(enabled=surrogate, n_candidates=n_candidates, n_local=n_local, top_k=top_k,
-                                 n_startup=n_startup, kappa=kappa, offset=surrogate_offset)
-    study.sampler = optuna.samplers.TPESampler(seed=sampler_seed, multivariate=True,
-                                               n_startup_trials=strategy.n_startup, constant_liar=True)
-    # what a worker must share with the study to join it (refused otherwise, naming the difference)
-    identity = _plain({
-        "model": {"name": model_name, "model_type": geometry.model_type, "fingerprint": geometry.fingerprint},
-        "data_hash": data_hash, "budgets": sorted(budgets), "multi_objective": multi,
-        "reference": {"context_len": reference.context_len, "modality_mix": dict(reference.modality_mix),
-                      "full_precision_bits": reference.full_precision_bits},
-        "space": config.identity()})
-    _check_identity(study, identity, study_name, label)
-    owner = {**owner_attrs(), "worker": worker, "data_hash": data_hash}
-    hb = Heartbeat(st)
-    try:
+            study = optuna.create_study(storage=st, study_name=study_name, load_if_exists=True,
+                                        directions=["minimize", "minimize"] if multi else ["minimize"])
+        n_existing = len(study.get_trials(deepcopy=False))
+        if worker is not None:
+            sampler_seed = seed + 7919 * worker
+        elif persistent:
+            sampler_seed = (seed * 1_000_003 + os.getpid() * 31 + n_existing) % (2 ** 31)
+        else:
+            sampler_seed = seed
+        strategy = SurrogateSettings(enabled=surrogate, n_candidates=n_candidates, n_local=n_local, top_k=top_k,
+                                     n_startup=n_startup, kappa=kappa, offset=surrogate_offset)
+        study.sampler = optuna.samplers.TPESampler(seed=sampler_seed, multivariate=True,
+                                                   n_startup_trials=strategy.n_startup, constant_liar=True)
+        # what a worker must share with the study to join it (refused otherwise, naming the difference)
+        identity = _plain({
+            "model": {"name": model_name, "model_type": geometry.model_type, "fingerprint": geometry.fingerprint},
+            "data_hash": data_hash, "budgets": sorted(budgets), "multi_objective": multi,
+            "reference": {"context_len": reference.context_len, "modality_mix": dict(reference.modality_mix),
+                          "full_precision_bits": reference.full_precision_bits},
+            "space": config.identity()})
+        _check_identity(study, identity, study_name, label)
+        owner = {**owner_attrs(), "worker": worker, "data_hash": data_hash}
+        hb = Heartbeat(st)
+        cleanup.callback(hb.close)
         return _run_study(
             study=study, study_name=study_name, label=label, persistent=persistent, hb=hb, owner=owner,
             identity=identity, config=config, scorer=scorer, validation_scorer=validation_scorer,
@@ -830,10 +851,6 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
             profile_head_units=profile_head_units, progress=progress, seed=seed, sampler_seed=sampler_seed,
             n_trials=n_trials, strategy=strategy, baselines=baselines, final_candidates=final_candidates, out=out,
             finalize=finalize, t_start=t_start)
-    finally:
-        hb.close()
-        for x in own_scorers:
-            x.close()
 
 
 # the keywords of search() that set what the cheapest plan of its space stores (check_budgets reads them)

@@ -56,6 +56,38 @@ def test_cli_search_on_a_text_jsonl_task_deploys_at_its_bpv(tmp_path):
     assert gen.cache.bpv() == plan.bpv(context_len=T).total  # bytes held == the plan's accounting at T
 
 
+def test_library_search_refuses_an_unreachable_budget_before_the_prefill(monkeypatch):
+    """kvplan.search() building its own scorers checks the budget once the task's layout is known, before
+    the full-precision prefills (as the CLI does), on the space it would search."""
+    from kvplan.evaluation import get_model, harness
+    from kvplan.search import BudgetError, search
+
+    def prefill(*a, **k):
+        raise AssertionError("prefilled before the budget check")
+
+    monkeypatch.setattr(harness, "prepare_samples", prefill)
+    with pytest.raises(BudgetError, match=r"0\.1 bpv.*cheapest"):
+        search(get_model(), budget="0.1bpv", n_trials=2, progress=False)
+    with pytest.raises(BudgetError, match=r"2\.1 bpv.*cheapest"):  # no streaming: every slot at 2 bits is the floor
+        search(get_model(), budget="2.1bpv", n_trials=2, progress=False, stream_window=0)
+
+
+def test_library_search_stops_the_scorers_it_built_when_it_fails(tmp_path, monkeypatch):
+    """An error after search() built its scorers (here: finalize without a study to finalize) still stops
+    their worker processes."""
+    from kvplan.errors import KVPlanError
+    from kvplan.evaluation import get_model
+    from kvplan.search import scorers, search
+
+    closed = []
+    monkeypatch.setattr(scorers.HarnessScorer, "close", lambda self: closed.append(self.name))
+    task = _text_task(tmp_path / "docs.jsonl")
+    with pytest.raises(KVPlanError, match="finalize: needs the --storage"):
+        search(get_model(), budget="3bpv", task=str(task), context_len=2048, n_trials=2, profile=False,
+               progress=False, finalize=True)
+    assert sorted(closed) == ["calibration", "test", "validation"]
+
+
 def _main_error(capsys, *argv):
     """``kvplan <argv>`` in-process: (exit status, stderr lines)."""
     from kvplan.cli import main
