@@ -96,12 +96,18 @@ def test_search_then_explain_then_load(tmp_path, smollm2):
     assert report["error_feedback"] is True
     assert report and (tmp_path / "fig").is_dir() and any(p.suffix == ".png" for p in (tmp_path / "fig").iterdir())
     model, tok = smollm2
+    from kvplan.evaluation.tasks import doc_sources
+
+    prompt = tok(doc_sources()[0][1][:1500], return_tensors="pt")  # a few hundred tokens: whole groups commit
     kvplan.load(model, str(out))
     try:
-        gen = model.generate(**tok("def f(x):", return_tensors="pt"), max_new_tokens=4, do_sample=False)
+        gen = model.generate(**prompt, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     finally:
         kvplan.unload(model)
-    assert gen.shape[1] > 4
+    T = gen.cache.get_seq_length()
+    assert gen.sequences.shape[1] == prompt.input_ids.shape[1] + 4 == T + 1
+    assert min(layer.committed for layer in gen.cache.layers) >= plan.quantizer.group_size  # codes were written
+    assert gen.cache.bpv() == plan.bpv(context_len=T).total  # the plan's accounting, on the deployed cache
 
 
 @pytest.mark.slow
