@@ -61,10 +61,6 @@ def _modalities(samples) -> tuple[str, ...]:
     return ("text",) + tuple(sorted(present - {"text"}))
 
 
-def _short(r: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in r.items() if k != "samples"}
-
-
 def _print_eval(r: dict[str, Any]) -> None:
     print(f"plan: {r['plan']}   samples: {r['n']}   bpv: {r['bpv']:.3f} (real bytes: {r['bpv_measured']:.3f}, "
           f"{r['storage_bits']}-bit storage)")
