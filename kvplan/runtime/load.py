@@ -12,7 +12,7 @@ from ..errors import PlanError
 from ..models.geometry import Geometry
 from ..models.modality import Labelling, resolve_labelling
 from ..models.rope import rope_inv_freq
-from ..plans import BASELINES, STREAMED, Plan, baseline_plan
+from ..plans import BASELINES, Plan, baseline_plan
 from .cache import KVPlanCache
 
 
