@@ -40,7 +40,6 @@ CPU copies of the same packed layer. ``--cpu-smoke`` runs it with tiny shapes on
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import statistics
