@@ -40,13 +40,12 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_search(args) -> int:
-    from .search import check_budgets, parse_budget, search
-    from .evaluation.parallel import default_processes
-    from .search.scorers import task_scorers
+    from .search import parse_budget, search
     from .search.storage import make_storage
 
     budgets = args.budget if len(args.budget) > 1 else args.budget[0]
-    parsed = [parse_budget(b) for b in args.budget]  # an unparsable budget fails before the model loads
+    for b in args.budget:  # an unparsable budget fails before the model loads
+        parse_budget(b)
     _check_output_path(args.out, "--out")
     if args.grace_period <= args.heartbeat_interval:
         raise KVPlanError(f"--grace-period {args.grace_period}: must be longer than --heartbeat-interval "
@@ -86,18 +85,11 @@ def _cmd_search(args) -> int:
     if args.no_error_feedback:
         extra["error_feedback"] = False
 
-    def check_before_prefill(geometry, reference, modalities):
-        """Reject an unreachable budget before any full-precision prefill, on the space search() will use."""
-        check_budgets(parsed, geometry, reference, modalities, args.granularity, **extra)
-
-    scorers = task_scorers(args.model, args.task, seed=args.seed, n_calibration=args.samples,
-                           n_validation=args.validation_samples, n_test=args.test_samples,
-                           history_tokens=args.history_tokens, eval_tokens=args.eval_tokens,
-                           context_len=args.context, progress=not args.quiet, before_prefill=check_before_prefill,
-                           processes=default_processes(args.processes, args.worker))
+    # search() builds the task's scorers and refuses an unreachable budget before their full-precision prefills
     result = search(model=args.model, budget=budgets, granularity=args.granularity, n_trials=args.trials,
-                    seed=args.seed, storage=storage, study_name=args.study_name, out=args.out,
-                    scorer=scorers.calibration, validation_scorer=scorers.validation, test_scorer=scorers.test,
+                    seed=args.seed, storage=storage, study_name=args.study_name, out=args.out, task=args.task,
+                    samples=args.samples, validation_samples=args.validation_samples, test_samples=args.test_samples,
+                    history_tokens=args.history_tokens, eval_tokens=args.eval_tokens, processes=args.processes,
                     context_len=args.context, pareto=args.pareto, surrogate=not args.no_surrogate,
                     worker=args.worker, progress=not args.quiet, heartbeat_interval=args.heartbeat_interval,
                     grace_period=args.grace_period, finalize=args.finalize, **extra)

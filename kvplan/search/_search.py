@@ -166,16 +166,6 @@ def _metrics_of(res: Mapping) -> dict:
     return out
 
 
-def _default_scorers(model, task: str, seed: int, context_len: int | None, labelling=None, processes=None,
-                     before_prefill=None):
-    """Calibration, validation and test scorers of ``task`` on ``model`` (a name/path or a
-    loaded ``(model, processor)``), see :func:`kvplan.search.scorers.task_scorers`."""
-    from .scorers import task_scorers
-
-    return task_scorers(model, task, seed=seed, context_len=context_len, labelling=labelling, processes=processes,
-                        before_prefill=before_prefill)
-
-
 def _stated_at(reference: Reference, context_len: int | None) -> Reference:
     """``reference`` with the context length the budget is stated at (``context_len``; ``None``: its own)."""
     if context_len is None or reference.context_len == context_len:
@@ -670,7 +660,9 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            kappa: float = SurrogateSettings.kappa,
            worker: int | None = None, progress: bool = True, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_S,
            grace_period: int | None = DEFAULT_GRACE_S, finalize: bool = False, labelling=None,
-           processes: int | None = None) -> SearchResult:
+           processes: int | None = None, samples: int | None = None, validation_samples: int | None = None,
+           test_samples: int | None = None, history_tokens: int | None = None,
+           eval_tokens: int | None = None) -> SearchResult:
     """Search a mixed-precision KV-cache plan under an honest bpv budget.
 
     ``model``: a model name/path or a loaded ``(model, processor)`` pair, scored on ``task``
@@ -739,6 +731,11 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     ``processes``: CPU processes that score each candidate's samples together (the scorers
     search builds; ``None``: the usable cores, or 1 for one of several ``worker`` processes;
     any value gives the same numbers, see :mod:`kvplan.evaluation.parallel`).
+    ``samples`` / ``validation_samples`` / ``test_samples``: samples per split of the scorers search
+    builds (``None``: 12 / 16 / 16 on the built-in task, every record of the split of a JSONL task;
+    0 skips the validation or test split). ``history_tokens`` / ``eval_tokens``: each built-in
+    sample's history and evaluated tokens (``None``: 512 / 32). The CLI's options of the same names
+    set them; see :func:`kvplan.search.scorers.task_scorers`.
 
     ``worker``: this process's index among the workers of a shared study (seeds its sampler).
     ``heartbeat_interval`` / ``grace_period`` (seconds, RDB storages): a worker records a
@@ -761,16 +758,21 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                           sink_bits=sink_bits, heavy_length=heavy_length, stream_window=stream_window, profile=profile)
     assert set(budget_options) == set(BUDGET_OPTIONS)
     with contextlib.ExitStack() as cleanup:  # stops the worker processes of the scorers built here, on any exit
+        task_options = dict(n_calibration=samples, n_validation=validation_samples, n_test=test_samples,
+                            history_tokens=history_tokens, eval_tokens=eval_tokens)
         if scorer is None:
             from ..evaluation.parallel import default_processes
+            from .scorers import task_scorers
 
             def check_before_prefill(task_geometry, task_reference, task_modalities):
                 """An unreachable budget is refused before the (slow) full-precision prefills."""
                 check_budgets(budgets, task_geometry, _stated_at(reference or task_reference, context_len),
                               task_modalities, granularity, **budget_options)
 
-            scorers = _default_scorers(model, task, seed, context_len, labelling,
-                                       default_processes(processes, worker), check_before_prefill)
+            scorers = task_scorers(model, task, seed=seed, context_len=context_len, labelling=labelling,
+                                   processes=default_processes(processes, worker), progress=progress,
+                                   before_prefill=check_before_prefill,
+                                   **{k: v for k, v in task_options.items() if v is not None})
             for x in (scorers.calibration, scorers.validation, scorers.test):
                 if x is not None:
                     cleanup.callback(x.close)
@@ -785,6 +787,9 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         elif processes is not None:
             raise KVPlanError("processes= is for the scorers search builds; give your scorer its own (HarnessScorer("
                               "..., processes=N))")
+        elif any(v is not None for v in task_options.values()):
+            raise KVPlanError("samples= / validation_samples= / test_samples= / history_tokens= / eval_tokens= "
+                              "shape the scorers search builds; give your scorers their own samples")
         labelling_name = getattr(getattr(scorer, "labelling", None), "name", TOKEN_IDS_NAME)
         geometry = getattr(scorer, "geometry", None)
         if geometry is None:

@@ -88,6 +88,26 @@ def test_library_search_stops_the_scorers_it_built_when_it_fails(tmp_path, monke
     assert sorted(closed) == ["calibration", "test", "validation"]
 
 
+def test_library_search_takes_the_sample_counts_the_cli_offers(monkeypatch):
+    """search(samples=, validation_samples=, test_samples=, history_tokens=, eval_tokens=) shapes the
+    scorers it builds, as the CLI's options of the same names do (the CLI passes them through); with
+    your own scorer they are refused."""
+    from kvplan.errors import KVPlanError
+    from kvplan.evaluation import get_model
+    from kvplan.search import scorers, search
+
+    real, asked = scorers.task_scorers, []
+    monkeypatch.setattr(scorers, "task_scorers", lambda *a, **k: asked.append(k) or real(*a, **k))
+    result = search(get_model(), budget="3bpv", context_len=2048, n_trials=2, profile=False, progress=False,
+                    samples=2, validation_samples=1, test_samples=1, history_tokens=200, eval_tokens=8)
+    assert {k: asked[0][k] for k in ("n_calibration", "n_validation", "n_test", "history_tokens", "eval_tokens")} \
+        == {"n_calibration": 2, "n_validation": 1, "n_test": 1, "history_tokens": 200, "eval_tokens": 8}
+    m = result.plan.metrics
+    assert m["validation"]["n_samples"] == 1 and m["test"]["n_samples"] == 1
+    with pytest.raises(KVPlanError, match="samples= .* shape the scorers search builds"):
+        search(get_model(), budget="3bpv", scorer=lambda plan: {"kl": 0.0}, samples=4)
+
+
 def _main_error(capsys, *argv):
     """``kvplan <argv>`` in-process: (exit status, stderr lines)."""
     from kvplan.cli import main
