@@ -817,27 +817,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         label = describe_storage(storage)
         persistent = is_persistent(st)
         study_name = study_name or f"kvplan-{granularity}-{'-'.join(f'{b:g}' for b in budgets)}bpv-s{seed}"
-        if finalize and st is None:
-            raise KVPlanError("finalize: needs the --storage and --study-name of an existing study")
-        if finalize:
-            try:
-                study = optuna.load_study(study_name=study_name, storage=st)
-            except KeyError:
-                raise KVPlanError(f"--study-name {study_name}: no such study in --storage {label}") from None
-        else:
-            study = optuna.create_study(storage=st, study_name=study_name, load_if_exists=True,
-                                        directions=["minimize", "minimize"] if multi else ["minimize"])
-        n_existing = len(study.get_trials(deepcopy=False))
-        if worker is not None:
-            sampler_seed = seed + 7919 * worker
-        elif persistent:
-            sampler_seed = (seed * 1_000_003 + os.getpid() * 31 + n_existing) % (2 ** 31)
-        else:
-            sampler_seed = seed
         strategy = SurrogateSettings(enabled=surrogate, n_candidates=n_candidates, n_local=n_local, top_k=top_k,
                                      n_startup=n_startup, kappa=kappa, offset=surrogate_offset)
-        study.sampler = optuna.samplers.TPESampler(seed=sampler_seed, multivariate=True,
-                                                   n_startup_trials=strategy.n_startup, constant_liar=True)
+        study, sampler_seed = _open_study(st, study_name, label, multi=multi, finalize=finalize, seed=seed,
+                                          worker=worker, n_startup=strategy.n_startup)
         # what a worker must share with the study to join it (refused otherwise, naming the difference)
         identity = _plain({
             "model": {"name": model_name, "model_type": geometry.model_type, "fingerprint": geometry.fingerprint},
@@ -856,6 +839,33 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
             profile_head_units=profile_head_units, progress=progress, seed=seed, sampler_seed=sampler_seed,
             n_trials=n_trials, strategy=strategy, baselines=baselines, final_candidates=final_candidates, out=out,
             finalize=finalize, t_start=t_start)
+
+
+def _open_study(st, study_name: str, label, *, multi: bool, finalize: bool, seed: int, worker: int | None,
+                n_startup: int) -> tuple[optuna.Study, int]:
+    """``(study, sampler seed)``: the study ``study_name`` in storage ``st`` (``None``: in memory), created
+    or joined, or loaded as it is to ``finalize`` it, with its TPE sampler. Workers of a shared study each
+    seed their sampler differently (``worker``'s index, else the process and the trials already there)."""
+    if finalize and st is None:
+        raise KVPlanError("finalize: needs the --storage and --study-name of an existing study")
+    if finalize:
+        try:
+            study = optuna.load_study(study_name=study_name, storage=st)
+        except KeyError:
+            raise KVPlanError(f"--study-name {study_name}: no such study in --storage {label}") from None
+    else:
+        study = optuna.create_study(storage=st, study_name=study_name, load_if_exists=True,
+                                    directions=["minimize", "minimize"] if multi else ["minimize"])
+    if worker is not None:
+        sampler_seed = seed + 7919 * worker
+    elif is_persistent(st):
+        n_existing = len(study.get_trials(deepcopy=False))
+        sampler_seed = (seed * 1_000_003 + os.getpid() * 31 + n_existing) % (2 ** 31)
+    else:
+        sampler_seed = seed
+    study.sampler = optuna.samplers.TPESampler(seed=sampler_seed, multivariate=True, n_startup_trials=n_startup,
+                                               constant_liar=True)
+    return study, sampler_seed
 
 
 # the keywords of search() that set what the cheapest plan of its space stores (check_budgets reads them)
