@@ -3,6 +3,7 @@ real images (Python API), each exported plan deployed through kvplan.load at its
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -106,6 +107,20 @@ def test_library_search_takes_the_sample_counts_the_cli_offers(monkeypatch):
     assert m["validation"]["n_samples"] == 1 and m["test"]["n_samples"] == 1
     with pytest.raises(KVPlanError, match="samples= .* shape the scorers search builds"):
         search(get_model(), budget="3bpv", scorer=lambda plan: {"kl": 0.0}, samples=4)
+
+
+@pytest.mark.parametrize("keyword,value", [("samples", 0), ("samples", -1), ("samples", 2.5), ("samples", True),
+                                           ("validation_samples", -1), ("test_samples", "4"),
+                                           ("history_tokens", 0), ("eval_tokens", -3)])
+def test_library_search_refuses_a_bad_sample_count_in_one_line(monkeypatch, keyword, value):
+    """A bad count is named before any data or model is touched (samples=-1 once ran, sliced from the end)."""
+    from kvplan.errors import KVPlanError
+    from kvplan.search import scorers, search
+
+    monkeypatch.setattr(scorers, "task_scorers", lambda *a, **k: pytest.fail("scorers built"))
+    expected = "^" + re.escape(f"{keyword}={value!r}") + ": must be an integer of at least [01]$"
+    with pytest.raises(KVPlanError, match=expected):
+        search("smollm2-135m", budget="2.5bpv", n_trials=2, progress=False, **{keyword: value})
 
 
 def _main_error(capsys, *argv):
