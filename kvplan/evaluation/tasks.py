@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import os
 import random
 from dataclasses import replace
@@ -137,6 +138,16 @@ def _mc_phrase(doc_ids: list[int], rng: random.Random, cue: int, opt: int, n_opt
     return None
 
 
+def _check_sample_count(n, where: str, allow_all: bool) -> None:
+    """A count of samples must be a whole number of at least 0 (``None``: all, where allowed):
+    -1 would slice from the end of the split and 2.5 fail deep in the slicing."""
+    if n is None and allow_all:
+        return
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise TaskError(f"{where}: {n!r} samples asked; the count must be a whole number of at least 0"
+                        + (" (or None: all)" if allow_all else ""))
+
+
 def default_task_samples(tokenizer, split: str = "test", n: int = 16, history_tokens: int = 512,
                          eval_tokens: int = 32, cue_tokens: int = 8, option_tokens: int = 6, n_options: int = 4,
                          seed: int = 0) -> list[Sample]:
@@ -146,6 +157,7 @@ def default_task_samples(tokenizer, split: str = "test", n: int = 16, history_to
     topic do not overlap; samples go round-robin over the split's topics.
     """
     split = canonical_split(split)
+    _check_sample_count(n, f"the built-in task's {split} split", allow_all=False)
     header = _encode(tokenizer, HEADER)
     question = _encode(tokenizer, QUESTION)
     doc_len = history_tokens - len(header)
@@ -372,6 +384,7 @@ def _records_of_split(path, records: Sequence[dict[str, Any]], split: str | None
     whole = split is None or split == ALL_RECORDS
     recs = list(records) if whole else split_records(records, split, seed)
     where = "task" if whole else f"{canonical_split(split)} split"
+    _check_sample_count(n, f"{os.fspath(path)}: the {where}", allow_all=True)
     if not recs:
         raise TaskError(f"{os.fspath(path)}: the {where} is empty: the task has only {len(records)} records (the "
                         "three splits need at least 3)")
@@ -391,8 +404,11 @@ def user_task_samples(path: str | os.PathLike, model, processor, n: int | None =
 
 def check_task(task: str, samples: Mapping[str, int | None] | None = None, seed: int = 0) -> None:
     """Fail fast (before a model loads) on a task file that cannot be read or whose splits hold
-    fewer records than ``samples`` (split -> number of samples asked; ``None``: all; 0: unused)."""
+    fewer records than ``samples`` (split -> number of samples asked; ``None``: all; 0: unused), or on a
+    count that is not a whole number of at least 0."""
     if task == "default":
+        for split, n in (samples or {}).items():
+            _check_sample_count(n, f"the built-in task's {split} split", allow_all=False)
         return
     recs = read_jsonl(task)
     for split, n in (samples or {}).items():

@@ -161,6 +161,26 @@ def test_more_samples_than_the_split_holds_is_one_line(tmp_path, capsys):
     assert code == 2 and "3 samples asked but the test split has 2" in lines[0]
 
 
+@pytest.mark.parametrize("count", [-1, 2.5, True, "3"], ids=["negative", "fraction", "bool", "string"])
+def test_task_scorers_refuse_a_bad_sample_count_before_the_model_loads(tmp_path, monkeypatch, count):
+    """The lower-level API the bench scripts use checks counts where the tasks read them (before,
+    n_calibration=-1 sliced from the end of the split), on the built-in task and on a JSONL one."""
+    import kvplan.models
+    from kvplan.evaluation.tasks import TaskError, default_task_samples
+    from kvplan.search.scorers import task_scorers
+
+    monkeypatch.setattr(kvplan.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    jsonl = _text_task(tmp_path / "docs.jsonl")
+    for task, where in (("default", "the built-in task's validation split"),
+                        (str(jsonl), f"{jsonl}: the validation split")):
+        with pytest.raises(TaskError) as e:
+            task_scorers("smollm2-135m", task, n_validation=count, progress=False)
+        assert str(e.value) == (f"{where}: {count!r} samples asked; the count must be a whole number of at least 0"
+                                + (" (or None: all)" if task != "default" else ""))
+    with pytest.raises(TaskError, match=r"the built-in task's test split: -1 samples asked"):
+        default_task_samples(None, split="test", n=-1)  # checked before the tokenizer is used
+
+
 def test_bad_task_file_from_the_console_script(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('{"history": "x", "question": "q"}\n[1, 2]\n')
