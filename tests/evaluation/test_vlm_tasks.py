@@ -3,11 +3,10 @@
 import json
 
 import pytest
+import skimage.data
 import torch
 
 from kvplan.evaluation import evaluate, named_plan, pad_token_id, prepare_samples, user_task_samples
-
-skimage = pytest.importorskip("skimage")
 
 
 def _with_tokens(tok, tokens):

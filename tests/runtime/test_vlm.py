@@ -1,14 +1,12 @@
 """Tiny random VLMs generate through a plan with different bits for visual and text tokens."""
 
-import pytest
+import skimage.data as skimage_data
 import torch
 
 import kvplan
 from kvplan.models import labels_from_input_ids
 from tests.tiny_models import (llava_onevision_inputs, qwen2_5_vl_inputs, tiny_llava_onevision,
                                tiny_qwen2_5_vl)
-
-skimage_data = pytest.importorskip("skimage.data")
 
 TEXT_BITS = {"k": 8, "v": 4}
 VISUAL_BITS = {"k": 3, "v": 2}

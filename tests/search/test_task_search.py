@@ -205,9 +205,9 @@ def _deployed_cache(model, plan_path, sample, max_new_tokens: int):
 
 @pytest.fixture(scope="module")
 def vlm_task(tmp_path_factory):
+    import skimage.data
     from PIL import Image
 
-    skimage = pytest.importorskip("skimage")
     d = tmp_path_factory.mktemp("vlm")
     names = ["astronaut", "coffee", "chelsea", "rocket", "camera", "coins"]
     recs = []
