@@ -138,12 +138,17 @@ def _mc_phrase(doc_ids: list[int], rng: random.Random, cue: int, opt: int, n_opt
     return None
 
 
+def is_whole_number(value, least: int = 0) -> bool:
+    """``value`` is an integer (Python's or NumPy's, not a bool) of at least ``least``."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= least
+
+
 def _check_sample_count(n, where: str, allow_all: bool) -> None:
     """A count of samples must be a whole number of at least 0 (``None``: all, where allowed):
     -1 would slice from the end of the split and 2.5 fail deep in the slicing."""
     if n is None and allow_all:
         return
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+    if not is_whole_number(n):
         raise TaskError(f"{where}: {n!r} samples asked; the count must be a whole number of at least 0"
                         + (" (or None: all)" if allow_all else ""))
 
@@ -382,9 +387,9 @@ def _records_of_split(path, records: Sequence[dict[str, Any]], split: str | None
     """The first ``n`` (``None``: all) records of ``split`` (``None`` / ``"all"``: the whole task);
     :class:`TaskError` if the split is empty or holds fewer than ``n``."""
     whole = split is None or split == ALL_RECORDS
-    recs = list(records) if whole else split_records(records, split, seed)
     where = "task" if whole else f"{canonical_split(split)} split"
     _check_sample_count(n, f"{os.fspath(path)}: the {where}", allow_all=True)
+    recs = list(records) if whole else split_records(records, split, seed)
     if not recs:
         raise TaskError(f"{os.fspath(path)}: the {where} is empty: the task has only {len(records)} records (the "
                         "three splits need at least 3)")

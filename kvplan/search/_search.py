@@ -62,7 +62,6 @@ import inspect
 import io
 import json
 import math
-import numbers
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -759,13 +758,14 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                           sink_bits=sink_bits, heavy_length=heavy_length, stream_window=stream_window, profile=profile)
     assert set(budget_options) == set(BUDGET_OPTIONS)
     with contextlib.ExitStack() as cleanup:  # stops the worker processes of the scorers built here, on any exit
+        from ..evaluation.tasks import is_whole_number
+
         task_options = dict(n_calibration=samples, n_validation=validation_samples, n_test=test_samples,
                             history_tokens=history_tokens, eval_tokens=eval_tokens)
         for name, value, least in (("samples", samples, 1), ("validation_samples", validation_samples, 0),
                                    ("test_samples", test_samples, 0), ("history_tokens", history_tokens, 1),
                                    ("eval_tokens", eval_tokens, 1)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-                                      or value < least):
+            if value is not None and not is_whole_number(value, least):
                 raise KVPlanError(f"{name}={value!r}: must be an integer of at least {least}")
         if scorer is None:
             from ..evaluation.parallel import default_processes
