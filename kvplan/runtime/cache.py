@@ -233,8 +233,7 @@ class KVPlanLayer(CacheLayerMixin):
         (a sliding-window layer). ``None``: no streamed head, or nothing hidden yet."""
         if self.stream_copies is None:
             return None
-        q = self.owner.plan.quantizer
-        a = max(min(q.sink_length, self.committed), self.dropped)
+        a = max(min(self.owner.sink_length, self.committed), self.dropped)
         b = self.committed - self.recent["k"].length - self.stream_copies["k"].length
         return (a, b) if b > a else None
 
@@ -467,7 +466,7 @@ class KVPlanLayer(CacheLayerMixin):
         """Keep the copies of the newest ``recent_length`` committed tokens only
         (``plans.accounting.recent_tokens``: never a sink position or a freed one)."""
         q = self.owner.plan.quantizer
-        keep = recent_tokens(self.committed, q.recent_length, q.sink_length, self.dropped)
+        keep = recent_tokens(self.committed, q.recent_length, self.owner.sink_length, self.dropped)
         for kind in KINDS:
             self.recent[kind].drop_oldest(self.recent[kind].length - keep)
         self._stored_changed()  # called by every change of the segments (commit, free)
@@ -483,7 +482,7 @@ class KVPlanLayer(CacheLayerMixin):
                                       f"cache position {self.committed} +")
             self._nonfinite = None
         range_flag = torch.zeros(1, dtype=torch.int32, device=self.residual["k"].device) if on_cuda else None
-        runs = stored_runs(self.residual_labels, self.committed, n, q.sink_length)
+        runs = stored_runs(self.residual_labels, self.committed, n, self.owner.sink_length)
         all_heads = tuple(range(self.owner.geometry.num_kv_heads))
         new = {kind: [] for kind in KINDS}  # kind -> [(label, start, length, blocks)]
         for kind in KINDS:
@@ -512,7 +511,7 @@ class KVPlanLayer(CacheLayerMixin):
         if range_flag is not None and bool(range_flag.item()):  # host sync (CUDA, once per commit; see above)
             raise ValueError("KV values exceed the fp16 range of the stored scales/zero-points; cannot quantize "
                              f"layer {self.layer_idx}, tokens {self.committed} .. {target - 1}")
-        first_candidate = max(self.committed, q.sink_length)  # sink positions are stored apart
+        first_candidate = max(self.committed, self.owner.sink_length)  # sink positions are stored apart
         if self.heavy is not None and first_candidate < target:
             self.heavy.add_candidates(first_candidate, {kind: self.residual[kind].parts(
                 first_candidate - self.committed, n) for kind in KINDS})
@@ -544,17 +543,17 @@ class KVPlanLayer(CacheLayerMixin):
         again)."""
         q = self.owner.plan.quantizer
         c0 = self.committed
-        recent_from = target - recent_tokens(target, q.recent_length, q.sink_length, self.dropped)
+        recent_from = target - recent_tokens(target, q.recent_length, self.owner.sink_length, self.dropped)
         recent = self.recent[kind]
         idx = list(self.streamed)
         store = self.stream_copies[kind]
         leaving = max(0, min(c0, recent_from) - (c0 - recent.length))  # the oldest recent copies
         if leaving:
             store.push(*_heads_of(recent.parts(0, leaving), idx))
-        a, b = max(c0, q.sink_length) - c0, min(recent_from, target) - c0
+        a, b = max(c0, self.owner.sink_length) - c0, min(recent_from, target) - c0
         if b > a:
             store.push(*_heads_of(self.residual[kind].parts(a, b), idx))
-        store.drop_oldest(store.length - stream_tokens(target, q.stream_window, q.recent_length, q.sink_length))
+        store.drop_oldest(store.length - stream_tokens(target, q.stream_window, q.recent_length, self.owner.sink_length))
 
     def _free_before(self, kept: int) -> None:
         """Free every stored token before position ``kept`` (a group boundary): residual tokens
@@ -636,6 +635,9 @@ class KVPlanCache(Cache):
         # set when the model runs kvplan's fused attention (see runtime/fused.py)
         self.attention_kernel = attention_kernel
         self.commits_paused = False
+        # positions [0, sink_length) are held apart as attention sinks: the plan's sink_length, moved past a
+        # batch's left padding by align_sinks
+        self.sink_length = plan.quantizer.sink_length
         self._labels: list[str] = []
         # format codes [L, H_kv, 2, M] (bits, + CORRECTED if corrected), resolved from the rules once
         self.code_table = plan.code_table()
@@ -647,6 +649,28 @@ class KVPlanCache(Cache):
         For scoring: evaluated tokens must never be quantized, and nothing reads them again.
         """
         self.commits_paused = True
+
+    def align_sinks(self, attention_mask) -> None:
+        """Make every row's first ``quantizer.sink_length`` real tokens sinks in a left-padded batch.
+
+        The search scores unpadded sequences, whose first tokens are the sinks; in a batch whose rows
+        are left-padded (``attention_mask [B, T]`` of the prompt, 0 = padding) those positions hold
+        padding. The cache then keeps positions ``[0, P + S)`` apart, ``P`` the longest left padding
+        of any row and ``S`` the plan's ``sink_length``: the padding and the less-padded rows' extra
+        tokens are held as sinks too (``quantizer.sink_bits``, counted by :meth:`nbytes`). A no-op
+        for plans without sinks and for unpadded prompts. Call before the prompt is written.
+        """
+        S = self.plan.quantizer.sink_length
+        if attention_mask is None or S == 0:
+            return
+        if self.get_seq_length():
+            raise CacheError("align_sinks: the cache already holds tokens; align the sinks before the prompt "
+                             "is written")
+        mask = torch.as_tensor(attention_mask)
+        if mask.dim() != 2:
+            raise CacheError(f"align_sinks: attention_mask must be [batch, tokens], got shape {list(mask.shape)}")
+        leading = (mask.ne(0).long().cumsum(-1) == 0).sum(-1)  # [B]: padded positions before each row's first token
+        self.sink_length = S + int(leading.max()) if mask.numel() else S
 
     # ------------------------------------------------------------------ modality labels
     def assign_labels(self, labels: Sequence[str] | Sequence[Sequence[str]], attention_mask=None) -> None:

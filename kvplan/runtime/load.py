@@ -91,7 +91,8 @@ def check_modalities(plan: Plan, model, source: str | None = None, labelling: La
 def make_cache(model, plan, input_ids=None, attention_mask=None, labelling: Labelling | None = None) -> KVPlanCache:
     """A fresh :class:`KVPlanCache` for ``model``; with ``input_ids`` its prompt is labelled by
     ``labelling`` (default: the one ``kvplan.load`` installed, else token ids: image/video tokens
-    of a VLM are ``"visual"``, the rest ``"text"``). If ``kvplan.load`` (or
+    of a VLM are ``"visual"``, the rest ``"text"``); with a left-padded ``attention_mask`` the
+    sinks move past the padding (:meth:`KVPlanCache.align_sinks`). If ``kvplan.load`` (or
     :func:`attention_route`) put the model on the fused attention, the cache uses it."""
     kernel = getattr(model, "_kvplan_attention_kernel", None)
     labelling = labelling_in_force(model, labelling)
@@ -105,6 +106,7 @@ def make_cache(model, plan, input_ids=None, attention_mask=None, labelling: Labe
                             "the model under kvplan.load(model, plan) (or kvplan.runtime.attention_route(model, "
                             "attention, plan))", show_value=False)
     cache = KVPlanCache(resolved, model, attention_kernel=kernel)
+    cache.align_sinks(attention_mask)  # a left-padded batch: each row's first real tokens are its sinks
     if input_ids is not None:
         check_modalities(resolved, model, labelling=labelling)
         cache.assign_labels(labelling(input_ids, model.config), attention_mask)

@@ -1,0 +1,92 @@
+"""Left-padded batches: every row's first real tokens are its attention sinks (``KVPlanCache.align_sinks``),
+as in the search, which scores unpadded sequences. Without it a padded row's sink positions hold padding:
+its streamed heads lose their sink and its first token is coded like any other (on the default model's
+recorded plan the padded row's KL rose from 0.014 to 0.17, ``bench/results/padded_batches.md``)."""
+
+import pytest
+import torch
+
+import kvplan
+from kvplan import CacheError, Geometry, KVPlanCache, uniform_plan
+from kvplan.runtime.load import make_cache
+from tests.runtime.routes import KERNELS, with_quantizer
+from tests.runtime.test_streamed_heads import streamed
+from tests.tiny_models import tiny_llama
+
+GEOM = Geometry(2, 2, 16, ("full", "full"), "llama")
+GROUP = 32
+ROW = 70  # prompt tokens of the padded row: two groups committed, the third filling
+
+
+def _plans():
+    sink = uniform_plan(GEOM, 2, group_size=GROUP, residual_length=0, sink_length=2)
+    return {
+        "sink": sink,
+        "streamed heads": streamed(with_quantizer(sink, recent_length=2, stream_window=3), [(0, 1), (1, 0)]),
+    }
+
+
+def _batch(pad: int):
+    """A row of ``ROW`` prompt tokens left-padded by ``pad`` next to an unpadded row of ``ROW + pad``."""
+    g = torch.Generator().manual_seed(3)
+    row = torch.randint(3, 256, (ROW,), generator=g)
+    other = torch.randint(3, 256, (ROW + pad,), generator=g)
+    ids = torch.stack([torch.cat([torch.zeros(pad, dtype=torch.long), row]), other])
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    return row, ids, mask
+
+
+def _generate(model, ids, mask):
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)  # [B, 24], [B, 24, V]
+
+
+@pytest.mark.parametrize("attention", [pytest.param("dequantize", id="dequantize"), *KERNELS])
+@pytest.mark.parametrize("name", ["sink", "streamed heads"])
+def test_a_left_padded_row_generates_as_it_does_alone(name, attention):
+    """Padding of a whole number of groups keeps the padded row's groups where they are alone, so with
+    its sinks moved past the padding it reads exactly what it reads alone: the same tokens and logits."""
+    model = tiny_llama()
+    kvplan.load(model, _plans()[name], attention=attention)
+    row, ids, mask = _batch(pad=GROUP)
+    batch_tokens, batch_logits = _generate(model, ids, mask)
+    alone_tokens, alone_logits = _generate(model, row[None], torch.ones(1, row.numel(), dtype=torch.long))
+    kvplan.unload(model)
+    assert torch.equal(batch_tokens[0], alone_tokens[0])
+    torch.testing.assert_close(batch_logits[0], alone_logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_sinks_move_past_the_longest_left_padding():
+    """The cache holds positions [0, P + S) apart; unpadded prompts and sink-less plans keep the plan's
+    sink_length; the prompt's sinks cannot be moved once tokens are written."""
+    model = tiny_llama()
+    plan = _plans()["sink"]
+    _, ids, mask = _batch(pad=5)
+    mask[1, :2] = 0  # a second, shorter padding: the longest one counts
+    assert make_cache(model, plan, ids, mask).sink_length == 2 + 5
+    assert make_cache(model, plan, ids, torch.ones_like(ids)).sink_length == 2
+    assert make_cache(model, plan).sink_length == 2
+    assert make_cache(model, with_quantizer(plan, sink_length=0), ids, mask).sink_length == 0
+    cache = KVPlanCache(plan, GEOM)
+    cache.layers[0].update(torch.randn(2, 2, 4, 16), torch.randn(2, 2, 4, 16))
+    with pytest.raises(CacheError, match="already holds tokens"):
+        cache.align_sinks(mask)
+
+
+def test_padding_is_held_as_sinks_and_counted():
+    """The padded positions before the sinks are stored at sink_bits, not in the slots' groups, and the
+    cache's bytes count them: a padded batch of T positions holds P more sink positions than the plan's
+    unpadded layout of T tokens (fp32 model: 32-bit residual accounting)."""
+    model = tiny_llama()
+    plan = _plans()["sink"]
+    pad = 5
+    _, ids, mask = _batch(pad)
+    cache = make_cache(model, plan, ids, mask)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    T = ids.shape[1]
+    moved = with_quantizer(plan, sink_length=2 + pad)  # the layout this cache holds
+    assert cache.bpv() == moved.bpv(context_len=T, full_precision_bits=32).total
+    assert cache.bpv() > plan.bpv(context_len=T, full_precision_bits=32).total
