@@ -11,7 +11,7 @@ from kvplan import CacheError, Geometry, KVPlanCache, uniform_plan
 from kvplan.runtime.load import make_cache
 from tests.runtime.routes import KERNELS, with_quantizer
 from tests.runtime.test_streamed_heads import streamed
-from tests.tiny_models import tiny_llama
+from tests.tiny_models import tiny_gemma3, tiny_llama
 
 GEOM = Geometry(2, 2, 16, ("full", "full"), "llama")
 GROUP = 32
@@ -38,7 +38,7 @@ def _batch(pad: int):
 
 
 def _generate(model, ids, mask):
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)  # [B, 24], [B, 24, V]
 
@@ -90,3 +90,18 @@ def test_padding_is_held_as_sinks_and_counted():
     moved = with_quantizer(plan, sink_length=2 + pad)  # the layout this cache holds
     assert cache.bpv() == moved.bpv(context_len=T, full_precision_bits=32).total
     assert cache.bpv() > plan.bpv(context_len=T, full_precision_bits=32).total
+
+
+@pytest.mark.parametrize("attention", ["dequantize", "native"])
+def test_a_left_padded_row_of_a_sliding_window_model_generates_as_it_does_alone(attention):
+    """Gemma 3's sliding layers (window 48) free the groups that leave the window, the sinks with the
+    first: the padded row's reads still equal its reads alone past the window."""
+    model = tiny_gemma3(sliding_window=48)
+    plan = uniform_plan(Geometry.of(model), 2, group_size=GROUP, residual_length=0, sink_length=2)
+    kvplan.load(model, plan, attention=attention)
+    row, ids, mask = _batch(pad=GROUP)
+    batch_tokens, batch_logits = _generate(model, ids, mask)
+    alone_tokens, alone_logits = _generate(model, row[None], torch.ones(1, row.numel(), dtype=torch.long))
+    kvplan.unload(model)
+    assert torch.equal(batch_tokens[0], alone_tokens[0])
+    torch.testing.assert_close(batch_logits[0], alone_logits[0], atol=1e-4, rtol=1e-4)
