@@ -621,7 +621,9 @@ class KVPlanCache(Cache):
     Use through ``model.generate(cache=KVPlanCache(plan, model))`` or let
     :func:`kvplan.load` create one per ``generate`` call. Before the prefill, label the
     prompt's tokens with :meth:`assign_labels` (``kvplan.load`` does it from
-    ``input_ids`` for VLMs); unlabelled and generated tokens are ``"text"``.
+    ``input_ids`` for VLMs; unlabelled and generated tokens are ``"text"``) and, for a
+    left-padded batch, call :meth:`align_sinks` with its attention mask (``kvplan.load``'s
+    ``generate`` and :func:`kvplan.make_cache` do both for a cache they make).
     """
 
     def __init__(self, plan: Plan, model_or_geometry=None, attention_kernel=None):

@@ -162,7 +162,8 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
     force one.
     ``labelling``: the :class:`~kvplan.Labelling` the plan was searched with, when it was not
     the default (token ids); a plan searched with another labelling is refused, naming it.
-    Returns the model. A ``cache=`` passed to ``generate`` explicitly is used as is.
+    Returns the model. A ``cache=`` passed to ``generate`` explicitly is used as is (an empty
+    :class:`KVPlanCache` has its sinks moved past the prompt's left padding, as ``make_cache`` does).
     ``kvplan.unload(model)`` restores the original ``generate`` and attention.
     """
     labelling = resolve_labelling(labelling)
@@ -180,9 +181,12 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None and kwargs.get("use_cache", True):
+        given = kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+        if given is None and kwargs.get("use_cache", True):
             input_ids = kwargs.get("input_ids", args[0] if args else None)
             kwargs["cache"] = make_cache(model, resolved, input_ids, kwargs.get("attention_mask"))
+        elif isinstance(given, KVPlanCache) and not given.get_seq_length():  # the caller's fresh cache
+            given.align_sinks(kwargs.get("attention_mask"))
         return original(*args, **kwargs)
 
     generate._kvplan_original = original

@@ -105,3 +105,20 @@ def test_a_left_padded_row_of_a_sliding_window_model_generates_as_it_does_alone(
     kvplan.unload(model)
     assert torch.equal(batch_tokens[0], alone_tokens[0])
     torch.testing.assert_close(batch_logits[0], alone_logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_cache_passed_to_generate_has_its_sinks_moved_too():
+    """Under kvplan.load, an empty KVPlanCache the caller passes to generate (``cache=`` or
+    ``past_key_values=``) gets the sinks make_cache would give it, and the same generation."""
+    model = tiny_llama()
+    plan = _plans()["streamed heads"]
+    kvplan.load(model, plan)
+    _, ids, mask = _batch(pad=GROUP)
+    made, _ = _generate(model, ids, mask)
+    for keyword in ("cache", "past_key_values"):
+        cache = KVPlanCache(plan, model)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24,
+                             do_sample=False, **{keyword: cache})
+        assert cache.sink_length == 2 + GROUP, keyword
+        assert torch.equal(out[:, ids.shape[1]:], made), keyword
+    kvplan.unload(model)
