@@ -43,19 +43,25 @@ def _generate(model, ids, mask):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)  # [B, 24], [B, 24, V]
 
 
-@pytest.mark.parametrize("attention", [pytest.param("dequantize", id="dequantize"), *KERNELS])
-@pytest.mark.parametrize("name", ["sink", "streamed heads"])
-def test_a_left_padded_row_generates_as_it_does_alone(name, attention):
-    """Padding of a whole number of groups keeps the padded row's groups where they are alone, so with
-    its sinks moved past the padding it reads exactly what it reads alone: the same tokens and logits."""
-    model = tiny_llama()
-    kvplan.load(model, _plans()[name], attention=attention)
+def _assert_padded_row_reads_as_alone(model, plan, attention: str) -> None:
+    """Under ``plan`` on ``attention``: the row left-padded by one group in a batch generates the tokens
+    and logits it generates alone."""
+    kvplan.load(model, plan, attention=attention)
     row, ids, mask = _batch(pad=GROUP)
     batch_tokens, batch_logits = _generate(model, ids, mask)
     alone_tokens, alone_logits = _generate(model, row[None], torch.ones(1, row.numel(), dtype=torch.long))
     kvplan.unload(model)
     assert torch.equal(batch_tokens[0], alone_tokens[0])
     torch.testing.assert_close(batch_logits[0], alone_logits[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention", [pytest.param("dequantize", id="dequantize"), *KERNELS])
+@pytest.mark.parametrize("name", ["sink", "streamed heads"])
+def test_a_left_padded_row_generates_as_it_does_alone(name, attention):
+    """Padding of a whole number of groups keeps the padded row's groups where they are alone, so with
+    its sinks moved past the padding it reads exactly what it reads alone: the same tokens and logits."""
+    model = tiny_llama()
+    _assert_padded_row_reads_as_alone(model, _plans()[name], attention)
 
 
 def test_sinks_move_past_the_longest_left_padding():
@@ -98,13 +104,7 @@ def test_a_left_padded_row_of_a_sliding_window_model_generates_as_it_does_alone(
     first: the padded row's reads still equal its reads alone past the window."""
     model = tiny_gemma3(sliding_window=48)
     plan = uniform_plan(Geometry.of(model), 2, group_size=GROUP, residual_length=0, sink_length=2)
-    kvplan.load(model, plan, attention=attention)
-    row, ids, mask = _batch(pad=GROUP)
-    batch_tokens, batch_logits = _generate(model, ids, mask)
-    alone_tokens, alone_logits = _generate(model, row[None], torch.ones(1, row.numel(), dtype=torch.long))
-    kvplan.unload(model)
-    assert torch.equal(batch_tokens[0], alone_tokens[0])
-    torch.testing.assert_close(batch_logits[0], alone_logits[0], atol=1e-4, rtol=1e-4)
+    _assert_padded_row_reads_as_alone(model, plan, attention)
 
 
 def test_a_cache_passed_to_generate_has_its_sinks_moved_too():
