@@ -553,7 +553,8 @@ class KVPlanLayer(CacheLayerMixin):
         a, b = max(c0, self.owner.sink_length) - c0, min(recent_from, target) - c0
         if b > a:
             store.push(*_heads_of(self.residual[kind].parts(a, b), idx))
-        store.drop_oldest(store.length - stream_tokens(target, q.stream_window, q.recent_length, self.owner.sink_length))
+        kept = stream_tokens(target, q.stream_window, q.recent_length, self.owner.sink_length)
+        store.drop_oldest(store.length - kept)
 
     def _free_before(self, kept: int) -> None:
         """Free every stored token before position ``kept`` (a group boundary): residual tokens
