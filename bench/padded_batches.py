@@ -11,18 +11,14 @@ by one (teacher forcing); the KL of each step's next-token distribution from the
 model's is averaged. Rows:
 
 - ``alone``: the prompt unpadded;
-- ``padded P, sinks moved``: the prompt left-padded by ``P`` tokens (``attention_mask`` 0 there, RoPE
-  positions from the mask, as ``generate`` does), the cache as ``kvplan.load`` makes it: each row's
-  first real tokens are its sinks (``KVPlanCache.align_sinks``);
-- ``padded P, sinks not moved``: the same with ``align_sinks`` a no-op, the behaviour before it: the
-  sink positions hold padding;
-- ``padded P, sinks moved, frame shifted``: the same as the first padded row with the cache's RoPE
-  tables shifted by ``P`` (a one-row batch only), so that the padded row's keys are quantized in the
-  pre-RoPE frame of its own positions, as unpadded; what per-row frames would buy (kvplan's cache
-  un-rotates keys by their cache index, shared by the rows of a batch).
-
-A padded row is a one-row batch here: the cache's layout depends on the batch's longest left padding
-only, so a longer unpadded companion row would not change the padded row's reads.
+- ``padded P``: the prompt left-padded by ``P`` tokens (``attention_mask`` 0 there, RoPE positions
+  from the mask, as ``generate`` does) in a batch with an unpadded row (another validation sample's
+  text), the cache as ``kvplan.load`` makes it (``KVPlanCache.align_to_padding``): each row's first
+  real tokens are its sinks and its keys are quantized in the pre-RoPE frame of its own positions;
+- ``padded P, key frame at the cache index``: the same with ``Rotation.set_row_padding`` a no-op: the
+  sinks move, the keys are un-rotated by their cache index (the behaviour of db92d7b);
+- ``padded P, not aligned``: the same with ``align_to_padding`` a no-op: the sink positions hold
+  padding (the behaviour before db92d7b).
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import kvplan  # noqa: E402
-import kvplan.kernels.rotation as rotation  # noqa: E402
+from kvplan.kernels.rotation import Rotation  # noqa: E402
 from kvplan.evaluation.harness import bootstrap_ci  # noqa: E402
 from kvplan.evaluation.tasks import default_task_samples  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
@@ -49,45 +45,37 @@ from kvplan.runtime.load import make_cache  # noqa: E402
 
 
 @contextlib.contextmanager
-def sinks_not_moved():
-    """``KVPlanCache.align_sinks`` as a no-op: the sinks stay at the batch's first positions."""
-    original = KVPlanCache.align_sinks
-    KVPlanCache.align_sinks = lambda self, attention_mask: None
+def replaced(owner, name: str, value):
+    """``owner.name`` is ``value`` inside the block."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        KVPlanCache.align_sinks = original
-
-
-@contextlib.contextmanager
-def frame_shifted(pad: int):
-    """The caches' RoPE tables give cache index ``t`` the angle of position ``t - pad``."""
-    original = rotation._cos_sin
-
-    def shifted(start, stop, inv_freq, device):
-        return original(start - pad, stop - pad, inv_freq, device)
-
-    rotation._cos_sin = shifted
-    try:
-        yield
-    finally:
-        rotation._cos_sin = original
+        setattr(owner, name, original)
 
 
 @torch.no_grad()
-def decode_logits(model, history: list[int], evaluated: list[int], pad: int, pad_id: int) -> torch.Tensor:
-    """Logits ``[E, V]`` after each evaluated token, the history (left-padded by ``pad``) in the plan's cache."""
-    ids = torch.tensor([[pad_id] * pad + history])
+def decode_logits(model, history: list[int], evaluated: list[int], pad: int, pad_id: int,
+                  companion: list[int]) -> torch.Tensor:
+    """Logits ``[E, V]`` after each evaluated token, the history in the plan's cache: alone (``pad`` 0) or
+    left-padded by ``pad`` as row 0 of a batch whose row 1 is ``companion`` (``len(history) + pad + E``
+    tokens, unpadded)."""
+    rows = [[pad_id] * pad + history]
+    if pad:
+        rows.append(companion[:pad + len(history)])
+    ids = torch.tensor(rows)
     mask = torch.ones_like(ids)
-    mask[:, :pad] = 0
+    mask[0, :pad] = 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = make_cache(model, model.kvplan_plan, ids, mask)
     model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
     out = []
     for t, token in enumerate(evaluated):
-        mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], -1)
-        step = model(input_ids=torch.tensor([[token]]), attention_mask=mask,
-                     position_ids=torch.tensor([[len(history) + t]]), cache=cache, use_cache=True)
+        step_ids = [[token]] + ([[companion[pad + len(history) + t]]] if pad else [])
+        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], -1)
+        step = model(input_ids=torch.tensor(step_ids), attention_mask=mask, position_ids=positions[:, -1:] + 1 + t,
+                     cache=cache, use_cache=True)
         out.append(step.logits[0, -1].float())
     return torch.stack(out)
 
@@ -117,15 +105,19 @@ def main() -> None:
     kvplan.load(model, args.plan)
     rows = [("alone", 0, contextlib.nullcontext)]
     for pad in args.pads:
-        rows += [(f"padded {pad}, sinks moved", pad, contextlib.nullcontext),
-                 (f"padded {pad}, sinks not moved", pad, sinks_not_moved),
-                 (f"padded {pad}, sinks moved, frame shifted", pad, lambda pad=pad: frame_shifted(pad))]
+        rows += [(f"padded {pad}", pad, contextlib.nullcontext),
+                 (f"padded {pad}, key frame at the cache index", pad,
+                  lambda: replaced(Rotation, "set_row_padding", lambda self, padding: None)),
+                 (f"padded {pad}, not aligned", pad,
+                  lambda: replaced(KVPlanCache, "align_to_padding", lambda self, attention_mask: None))]
     results = []
     for name, pad, context in rows:
         kls = []
         with context():
-            for s, ref in zip(samples, references):
-                kls.append(mean_kl(ref, decode_logits(model, s.history_ids, s.eval_ids, pad, pad_id)))
+            for i, (s, ref) in enumerate(zip(samples, references)):
+                other = samples[(i + 1) % len(samples)]  # the companion row: another sample's text, twice
+                companion = (other.history_ids + other.eval_ids) * 2
+                kls.append(mean_kl(ref, decode_logits(model, s.history_ids, s.eval_ids, pad, pad_id, companion)))
         results.append((name, *bootstrap_ci(kls)))
         print(f"{name}: {results[-1][1]:.5f}", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -169,23 +169,24 @@ class NativePieces:
         qu = None if piece.correction is None else torch.matmul(qg, piece.basis)  # [B, h, R, r]
         hadamard = int(rot is not None and rot.inv_freq is not None and rot.hadamard is not None)
         half = 0 if rot is None or rot.inv_freq is None else rot.inv_freq.shape[0]
-        if half:
-            rot.angles_by_pair(piece.position, piece.length)  # grow the tables here, not in a worker
+        shift = rot.row_shift if half else None  # int64 [B]: a left-padded batch's rows at their own positions
+        if half:  # grow the tables here, not in a worker
+            rot.angles_by_pair(piece.position, piece.length + rot.max_shift)
         for a, b, part in self._chunks(piece):
             cos_t = sin_t = None
             if half:
-                cos_t, sin_t = rot.angles_by_pair(part.position, part.length)  # [half, T] views
+                cos_t, sin_t = rot.angles_by_pair(part.position, part.length + rot.max_shift)  # [half, T'] views
             args, keep = self._run_args(part, q.shape[2])
             o = out[..., a:b]
             calls = [(self.lib.kvp_key_scores, [*args, _ptr(q), *q.stride()[:3], hadamard, half, _ptr(cos_t),
-                                                _ptr(sin_t), 0 if cos_t is None else cos_t.stride(0), _ptr(o),
-                                                *o.stride()[:3], 0, _uniform(part)])]
+                                                _ptr(sin_t), 0 if cos_t is None else cos_t.stride(0), _ptr(shift),
+                                                _ptr(o), *o.stride()[:3], 0, _uniform(part)])]
             if qu is not None:  # + (q U)·ẑ: the same loop on the r-channel code, added after the scores
                 cargs, ckeep = self._run_args(part.correction, qu.shape[2])
                 keep = (keep, ckeep)
                 calls.append((self.lib.kvp_key_scores, [*cargs, _ptr(qu), *qu.stride()[:3], 0, 0, None, None, 0,
-                                                        _ptr(o), *o.stride()[:3], 1, _uniform(part.correction)]))
-            self.queue.append((calls, (keep, q, qu, cos_t, sin_t, o), None, None))
+                                                        None, _ptr(o), *o.stride()[:3], 1, _uniform(part.correction)]))
+            self.queue.append((calls, (keep, q, qu, cos_t, sin_t, shift, o), None, None))
 
     def value_add(self, piece, probs, acc) -> None:
         """Queue ``acc [B, h, R, D] += probs [B, h, R, T] @ v`` of one head run's values as stored."""

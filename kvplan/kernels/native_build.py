@@ -100,7 +100,7 @@ def native_library() -> ctypes.CDLL:
         raise NativeUnavailable(f"loading {target} failed: {e}") from None
     i, i64, p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     common = [i] * 5 + [p, i64, i64, i64, i, p, p, p, i64, i64, i64, i, i, i]
-    lib.kvp_key_scores.argtypes = common + [p, i64, i64, i64, i, i, p, p, i64, p, i64, i64, i64, i, i]
+    lib.kvp_key_scores.argtypes = common + [p, i64, i64, i64, i, i, p, p, i64, p, p, i64, i64, i64, i, i]
     lib.kvp_key_scores.restype = None
     lib.kvp_value_accum.argtypes = common + [p, i64, i64, i64, p, i64, i64, i64, p, i]
     lib.kvp_value_accum.restype = None

@@ -14,6 +14,8 @@ orthogonal, so a read undoes a write up to float rounding:
   and a per-channel group over tokens sees a near-constant signal (KVQuant). The read rotates
   by ``+t`` with the same ``t``, so the pair is exact whatever positions the model used (left
   padding, multimodal RoPE); only the benefit depends on matching the model's frequencies.
+  In a left-padded batch (:meth:`Rotation.set_row_padding`) row ``b``'s ``t`` is its cache index
+  minus its padding, its RoPE position, so a padded row is quantized in the frame it has unpadded.
 
 Order: write ``y = R(-t) k`` then ``y H``; read ``ŷ Hᵀ`` then ``R(t)``.
 """
@@ -63,7 +65,8 @@ def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 def rotate_pairs_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """In place: turn the rotate-half pairs ``(i, i + d/2)`` of fp32 ``x [..., T, D]`` by the angles
-    of ``cos`` / ``sin [T, d/2]`` (one ``[..., T, d/2]`` temporary); returns ``x``."""
+    of ``cos`` / ``sin [T, d/2]`` (or ``[B, 1, T, d/2]``, one row each; one ``[..., T, d/2]``
+    temporary); returns ``x``."""
     half = cos.shape[-1]
     a, b = x[..., :half], x[..., half : 2 * half]
     a_sin = a * sin
@@ -83,12 +86,45 @@ class Rotation:
         if hadamard is None and inv_freq is None:
             raise ValueError("a Rotation needs a Hadamard matrix, RoPE frequencies, or both")
         self.hadamard, self.inv_freq = hadamard, inv_freq
-        # cos / sin of cache indices 0 .. n-1 ([n, d/2] fp32), grown by doubling: every read of
+        # table row j holds the angles of RoPE position j - origin (origin: the batch's longest left
+        # padding, 0 unpadded); row b of the batch reads cache index t at table row t + row_shift[b]
+        self.origin = 0
+        self.row_shift: torch.Tensor | None = None  # int64 [B]; None: every row at shift 0
+        self.max_shift = 0
+        # cos / sin of table rows 0 .. n-1 ([n, d/2] fp32), grown by doubling: every read of
         # the history needs them, so they are computed once, not per block and step
         self._cos = self._sin = None
         self._cis = None  # cos + i sin of the same table (complex64), rebuilt when it grows
         self._angles_t = None  # cos / sin of the same table transposed, [d/2, n] each (native kernel)
         self._tile = self._pairs = None  # tile_matrices(), pair_order(): built once
+
+    def set_row_padding(self, padding) -> None:
+        """Left padding of each batch row (``padding[b]`` positions before row ``b``'s first token): row
+        ``b``'s cache index ``t`` is rotated as RoPE position ``t - padding[b]``. Set before anything is
+        written; a no-op without RoPE frequencies (a Hadamard alone does not depend on positions)."""
+        if self.inv_freq is None:
+            return
+        padding = [int(p) for p in padding]
+        origin = max(padding, default=0)
+        if origin != self.origin:
+            self.origin = origin
+            self._cos = self._sin = self._cis = self._angles_t = None
+        shift = [origin - p for p in padding]
+        self.max_shift = max(shift, default=0)
+        self.row_shift = torch.tensor(shift, dtype=torch.int64, device=self.inv_freq.device) if self.max_shift else None
+
+    def map_rows(self, fn) -> None:
+        """Apply ``fn`` to the per-row shifts (the cache's batch reorders / selections / moves)."""
+        if self.row_shift is not None:
+            self.row_shift = fn(self.row_shift)
+
+    def _per_row(self, table: torch.Tensor, position: int, length: int) -> torch.Tensor:
+        """Rows ``[position, position + length)`` of ``table [n, d/2]`` shifted per batch row:
+        ``[B, 1, length, d/2]`` (``[length, d/2]`` when every row's shift is 0)."""
+        if self.row_shift is None:
+            return table[position : position + length]
+        idx = self.row_shift[:, None] + torch.arange(position, position + length, device=table.device)  # [B, T]
+        return table[idx].unsqueeze(1)
 
     def pair_order(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(perm, A)`` that put each rotary pair ``(i, i + d/2)`` next to each other:
@@ -105,11 +141,12 @@ class Rotation:
         return self._pairs
 
     def cis(self, position: int, length: int) -> torch.Tensor:
-        """complex64 ``cos + i sin [length, d/2]`` of cache indices ``position ..`` (a view of a table)."""
-        self.angles(position, length)
+        """complex64 ``cos + i sin`` of cache indices ``position ..``: ``[length, d/2]`` (a view of a
+        table), or ``[B, 1, length, d/2]`` when the batch rows' padding differs (:meth:`set_row_padding`)."""
+        self.angles(position, length + self.max_shift)
         if self._cis is None or self._cis.shape[0] != self._cos.shape[0]:
             self._cis = torch.complex(self._cos, self._sin)
-        return self._cis[position : position + length]
+        return self._per_row(self._cis, position, length)
 
     def tile_matrices(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``A, A·P [D, D]`` with which a kernel reads a key tile ``ŷ`` of the pre-RoPE frame:
@@ -128,9 +165,10 @@ class Rotation:
         return self._tile
 
     def angles_by_pair(self, position: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 ``cos`` / ``sin [d/2, length]`` of cache indices ``position ..``: :meth:`angles`
+        """fp32 ``cos`` / ``sin [d/2, length]`` of table rows ``position ..``: :meth:`angles`
         transposed (views of a table rebuilt when the table grows), so that one rotary pair's
-        angles over consecutive tokens are contiguous."""
+        angles over consecutive tokens are contiguous. Row ``b`` of a padded batch reads its cache
+        index ``t`` at column ``t - position + row_shift[b]``: ask for ``length + max_shift``."""
         self.angles(position, length)
         if self._angles_t is None or self._angles_t[0].shape[1] != self._cos.shape[0]:
             self._angles_t = (self._cos.t().contiguous(), self._sin.t().contiguous())
@@ -138,22 +176,31 @@ class Rotation:
         return cos_t[:, position : position + length], sin_t[:, position : position + length]
 
     def angles(self, position: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 ``cos`` / ``sin [length, d/2]`` of cache indices ``position .. position + length - 1``
-        (views of the table; needs ``inv_freq``)."""
+        """fp32 ``cos`` / ``sin [length, d/2]`` of table rows ``position .. position + length - 1``
+        (views of the table; needs ``inv_freq``): the cache indices of the batch rows at shift 0
+        (every row unpadded); :meth:`row_angles` gives each row its own."""
         stop = position + length
         have = 0 if self._cos is None else self._cos.shape[0]
         if stop > have:
             n = max(stop, 2 * have, 1024)
-            cos, sin = _cos_sin(have, n, self.inv_freq, self.inv_freq.device)
+            cos, sin = _cos_sin(have - self.origin, n - self.origin, self.inv_freq, self.inv_freq.device)
             self._cos = cos if self._cos is None else torch.cat([self._cos, cos])
             self._sin = sin if self._sin is None else torch.cat([self._sin, sin])
         return self._cos[position:stop], self._sin[position:stop]
+
+    def row_angles(self, position: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``cos`` / ``sin`` of cache indices ``position ..`` for every batch row: ``[length, d/2]``
+        or, when the rows' padding differs, ``[B, 1, length, d/2]``."""
+        if self.row_shift is None:
+            return self.angles(position, length)
+        self.angles(position, length + self.max_shift)
+        return self._per_row(self._cos, position, length), self._per_row(self._sin, position, length)
 
     def forward(self, x: torch.Tensor, position: int) -> torch.Tensor:
         """``x [B, h, T, D]`` of tokens from cache index ``position`` -> rotated fp32."""
         y = x.float()
         if self.inv_freq is not None:
-            cos, sin = self.angles(position, y.shape[-2])
+            cos, sin = self.row_angles(position, y.shape[-2])
             y = _rotate_pairs(y, cos, -sin)
         if self.hadamard is not None:
             y = y @ self.hadamard
@@ -165,6 +212,6 @@ class Rotation:
         if self.hadamard is not None:
             x = x @ self.hadamard  # H is symmetric and orthogonal: its own inverse
         if self.inv_freq is not None:
-            cos, sin = self.angles(position, x.shape[-2])
+            cos, sin = self.row_angles(position, x.shape[-2])
             x = _rotate_pairs(x, cos, sin)
         return x

@@ -598,7 +598,8 @@ def _block_partial_attn_kernel(
     VC, VS, VZ, svc_b, svc_h, svc_t, svs_b, svs_h, svs_g,  # V source (its own head group)
     KLV, VLV,  # fp32 level units of the K / V slot formats (see _load_dequant_tile)
     HMAP,  # int32 [n_heads, 3]: (kv head, local head in K source, local head in V source)
-    KA, KB, KCOS, KSIN,  # pre-RoPE keys: fp32 [D, D] H and H·P_rot-half; fp32 cos / sin [T_SEG, HALF]
+    KA, KB, KCOS, KSIN,  # pre-RoPE keys: fp32 [D, D] H and H·P_rot-half; fp32 cos / sin [T_SEG + max shift, HALF]
+    KSHIFT,  # int64 [B]: row b reads token t's angles at table row t + KSHIFT[b] (HAS_SHIFT: a left-padded batch)
     ZC, ZS, ZZ, szc_b, szc_h, szc_t, szs_b, szs_h, szs_g,  # key correction codes ẑ [B, h, T, r] (channel axis)
     QU, squ_b, squ_h, squ_m,  # fp32 q·U [B, h_K, M, RP] per local K head (rows as in the query tile)
     MASK, sm_b, sm_h, sm_q, sm_t,  # additive fp32 mask [B, Hq, Tq, T_total] (broadcast dims: stride 0)
@@ -616,6 +617,7 @@ def _block_partial_attn_kernel(
     K_ZERO: tl.constexpr, K_E4M3: tl.constexpr, K_LEVELS: tl.constexpr,  # K slot format (kernels.formats)
     V_ZERO: tl.constexpr, V_E4M3: tl.constexpr, V_LEVELS: tl.constexpr,
     K_ROPE: tl.constexpr, HALF: tl.constexpr,  # keys in the pre-RoPE frame; rotary pairs (i, i + HALF)
+    HAS_SHIFT: tl.constexpr,
     K_CORR: tl.constexpr, Z_BITS: tl.constexpr, R_DIM: tl.constexpr, RP: tl.constexpr,  # key correction
     HAS_MASK: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -631,7 +633,8 @@ def _block_partial_attn_kernel(
     ``K_ROPE``: a key tile ``ŷ [BLOCK_N, D]`` is brought to the attended frame in registers,
     ``x = ŷ·KA`` and ``x_rh = ŷ·KB`` (two tile products; ``KA = H`` or ``I``, ``KB = KA·P`` with
     ``P`` the rotate-half signed permutation), then ``k = x·cos + x_rh·sin`` with the cos / sin
-    of the tile's cache indices (channels past ``2 * HALF`` get cos 1, sin 0). ``K_CORR``: the
+    of the tile's cache indices, shifted by ``KSHIFT[b]`` in a left-padded batch (channels past
+    ``2 * HALF`` get cos 1, sin 0). ``K_CORR``: the
     correction code tile ``ẑ [BLOCK_N, RP]`` is dequantized too and ``(q U)·ẑ`` (``QU``, ``r``
     numbers per row) is added to the scores.
 
@@ -689,6 +692,10 @@ def _block_partial_attn_kernel(
             ka = ka.to(Q.dtype.element_ty)
             kb = kb.to(Q.dtype.element_ty)
         rope_d = (d < 2 * HALF)[None, :]
+        if HAS_SHIFT:
+            k_shift = tl.load(KSHIFT + b)
+        else:
+            k_shift = 0
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -710,7 +717,7 @@ def _block_partial_attn_kernel(
                 x = tl.dot(k_lo, ka)
                 x_rh = tl.dot(k_lo, kb)
             cs_m = t_ok[:, None] & rope_d
-            cs_o = t[:, None].to(tl.int64) * HALF + (d % HALF)[None, :]
+            cs_o = (t[:, None].to(tl.int64) + k_shift) * HALF + (d % HALF)[None, :]
             cs = tl.load(KCOS + cs_o, mask=cs_m, other=1.0)
             sn = tl.load(KSIN + cs_o, mask=cs_m, other=0.0)
             k = x * cs + x_rh * sn
@@ -901,11 +908,13 @@ def block_partial_attention(
     if k_src.pre_rope:
         rot = k_src.rotation
         ka, kb = rot.tile_matrices(D)
-        kcos, ksin = rot.angles(k_src.position, T_seg)  # [T_seg, HALF] rows of the table: contiguous
+        kcos, ksin = rot.angles(k_src.position, T_seg + rot.max_shift)  # [T_seg + shift, HALF]: contiguous
         half = kcos.shape[-1]
+        kshift = rot.row_shift
     else:
         ka = kb = kcos = ksin = mo
         half = 1
+        kshift = None
     z = k_src.corr
     if z is not None:
         zc, zs, zz, z_bits, z_off, rp = z.codes, z.scale, z.zero, z.bits, z.off, qu.shape[-1]
@@ -923,6 +932,7 @@ def block_partial_attention(
         k_src.levels, v_src.levels,
         hmap,
         ka, kb, kcos, ksin,
+        mo if kshift is None else kshift,
         zc, zs, zz, zcs[0], zcs[1], zcs[2], zss[0], zss[1], zss[2],
         qu, qus[0], qus[1], qus[2],
         mk, msb[0], msb[1], msb[2], msb[3],
@@ -935,7 +945,8 @@ def block_partial_attention(
         V_BITS=v_src.bits, V_CHANNEL=v_src.channel, V_GS=v_src.gs, V_G=v_src.g,
         K_ZERO=k_src.has_zero, K_E4M3=k_src.e4m3, K_LEVELS=k_src.has_levels,
         V_ZERO=v_src.has_zero, V_E4M3=v_src.e4m3, V_LEVELS=v_src.has_levels,
-        K_ROPE=k_src.pre_rope, HALF=half, K_CORR=z is not None, Z_BITS=z_bits, R_DIM=r_dim, RP=rp,
+        K_ROPE=k_src.pre_rope, HALF=half, HAS_SHIFT=kshift is not None,
+        K_CORR=z is not None, Z_BITS=z_bits, R_DIM=r_dim, RP=rp,
         HAS_MASK=has_mask, DOT_F32=_dot_in_fp32(q),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=8 if block_n * block_d >= 8192 else 4,  # two dequantized [BLOCK_N, D] fp32 tiles live at once

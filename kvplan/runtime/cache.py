@@ -165,6 +165,17 @@ class KVPlanLayer(CacheLayerMixin):
         self.key_basis = (None if basis is None else
                           torch.from_numpy(basis.array[self.layer_idx].astype("float32")).to(self.device))
         self.rotation = plan_rotations(self.owner.plan, self.device, self.layer_idx)
+        padding = self.owner.row_padding
+        if padding is not None:  # a left-padded batch: each row keyed on its RoPE positions
+            B = key_states.shape[0]
+            if B % len(padding):
+                raise CacheError(f"layer {self.layer_idx}: the prompt's attention mask has {len(padding)} rows, "
+                                 f"its keys {B}")
+            # generate repeats each prompt row for beams / num_return_sequences after the mask was read
+            padding = [p for p in padding for _ in range(B // len(padding))]
+            for rotation in self.rotation.values():
+                if rotation is not None:
+                    rotation.set_row_padding(padding)
         metric = self.owner.plan.feedback_metric
         self.feedback = {} if metric is None else _layer_feedback(metric, self.layer_idx, self.device)
         self.is_initialized = True
@@ -349,6 +360,9 @@ class KVPlanLayer(CacheLayerMixin):
         if self.stream_copies is not None:
             for store in self.stream_copies.values():
                 store.map_tensors(fn)
+        for rotation in self.rotation.values():
+            if rotation is not None:
+                rotation.map_rows(fn)
         self._stored_changed()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -623,7 +637,7 @@ class KVPlanCache(Cache):
     :func:`kvplan.load` create one per ``generate`` call. Before the prefill, label the
     prompt's tokens with :meth:`assign_labels` (``kvplan.load`` does it from
     ``input_ids`` for VLMs; unlabelled and generated tokens are ``"text"``) and, for a
-    left-padded batch, call :meth:`align_sinks` with its attention mask (``kvplan.load``'s
+    left-padded batch, call :meth:`align_to_padding` with its attention mask (``kvplan.load``'s
     ``generate`` and :func:`kvplan.make_cache` do both for a cache they make).
     """
 
@@ -639,8 +653,10 @@ class KVPlanCache(Cache):
         self.attention_kernel = attention_kernel
         self.commits_paused = False
         # positions [0, sink_length) are held apart as attention sinks: the plan's sink_length, moved past a
-        # batch's left padding by align_sinks
+        # batch's left padding by align_to_padding, which also sets each row's padding (None: unpadded), by
+        # which its pre-RoPE key frame trails the cache index
         self.sink_length = plan.quantizer.sink_length
+        self.row_padding: list[int] | None = None
         self._labels: list[str] = []
         # format codes [L, H_kv, 2, M] (bits, + CORRECTED if corrected), resolved from the rules once
         self.code_table = plan.code_table()
@@ -653,27 +669,33 @@ class KVPlanCache(Cache):
         """
         self.commits_paused = True
 
-    def align_sinks(self, attention_mask) -> None:
-        """Make every row's first ``quantizer.sink_length`` real tokens sinks in a left-padded batch.
+    def align_to_padding(self, attention_mask) -> None:
+        """Store a left-padded batch's rows as the search stores an unpadded sequence.
 
-        The search scores unpadded sequences, whose first tokens are the sinks; in a batch whose rows
-        are left-padded (``attention_mask [B, T]`` of the prompt, 0 = padding) those positions hold
-        padding. The cache then keeps positions ``[0, P + S)`` apart, ``P`` the longest left padding
-        of any row and ``S`` the plan's ``sink_length``: the padding and the less-padded rows' extra
-        tokens are held as sinks too (``quantizer.sink_bits``, counted by :meth:`nbytes`). A no-op
-        for plans without sinks and for unpadded prompts. Call before the prompt is written.
+        The search scores unpadded sequences: their first tokens are the sinks and their keys are
+        quantized in the pre-RoPE frame of their own positions. In a batch whose rows are left-padded
+        (``attention_mask [B, T]`` of the prompt, 0 = padding), the cache then keeps positions
+        ``[0, P + S)`` apart as sinks, ``P`` the longest left padding of any row and ``S`` the plan's
+        ``sink_length`` (the padding and the less-padded rows' extra tokens are held as sinks too, at
+        ``quantizer.sink_bits``, counted by :meth:`nbytes`), and rotates row ``b``'s keys by its RoPE
+        position, its cache index minus its padding (:meth:`Rotation.set_row_padding`). A no-op for
+        unpadded prompts. Call before the prompt is written.
         """
-        S = self.plan.quantizer.sink_length
-        if attention_mask is None or S == 0:
+        if attention_mask is None:
             return
         if self.get_seq_length():
-            raise CacheError("align_sinks: the cache already holds tokens; align the sinks before the prompt "
-                             "is written")
+            raise CacheError("align_to_padding: the cache already holds tokens; align it before the prompt is "
+                             "written")
         mask = torch.as_tensor(attention_mask)
         if mask.dim() != 2:
-            raise CacheError(f"align_sinks: attention_mask must be [batch, tokens], got shape {list(mask.shape)}")
-        leading = (mask.ne(0).long().cumsum(-1) == 0).sum(-1)  # [B]: padded positions before each row's first token
-        self.sink_length = S + int(leading.max()) if mask.numel() else S
+            raise CacheError(f"align_to_padding: attention_mask must be [batch, tokens], got shape "
+                             f"{list(mask.shape)}")
+        leading = (mask.ne(0).long().cumsum(-1) == 0).sum(-1).tolist()  # [B]: padding before each row's first token
+        if not any(leading):
+            return
+        if self.plan.quantizer.sink_length:
+            self.sink_length = self.plan.quantizer.sink_length + max(leading)
+        self.row_padding = leading
 
     # ------------------------------------------------------------------ modality labels
     def assign_labels(self, labels: Sequence[str] | Sequence[Sequence[str]], attention_mask=None) -> None:

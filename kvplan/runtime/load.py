@@ -91,8 +91,8 @@ def check_modalities(plan: Plan, model, source: str | None = None, labelling: La
 def make_cache(model, plan, input_ids=None, attention_mask=None, labelling: Labelling | None = None) -> KVPlanCache:
     """A fresh :class:`KVPlanCache` for ``model``; with ``input_ids`` its prompt is labelled by
     ``labelling`` (default: the one ``kvplan.load`` installed, else token ids: image/video tokens
-    of a VLM are ``"visual"``, the rest ``"text"``); with a left-padded ``attention_mask`` the
-    sinks move past the padding (:meth:`KVPlanCache.align_sinks`). If ``kvplan.load`` (or
+    of a VLM are ``"visual"``, the rest ``"text"``); with a left-padded ``attention_mask`` each
+    row is stored as it would be unpadded (:meth:`KVPlanCache.align_to_padding`). If ``kvplan.load`` (or
     :func:`attention_route`) put the model on the fused attention, the cache uses it."""
     kernel = getattr(model, "_kvplan_attention_kernel", None)
     labelling = labelling_in_force(model, labelling)
@@ -106,7 +106,7 @@ def make_cache(model, plan, input_ids=None, attention_mask=None, labelling: Labe
                             "the model under kvplan.load(model, plan) (or kvplan.runtime.attention_route(model, "
                             "attention, plan))", show_value=False)
     cache = KVPlanCache(resolved, model, attention_kernel=kernel)
-    cache.align_sinks(attention_mask)  # a left-padded batch: each row's first real tokens are its sinks
+    cache.align_to_padding(attention_mask)  # a left-padded batch: each row's sinks and key frame as unpadded
     if input_ids is not None:
         check_modalities(resolved, model, labelling=labelling)
         cache.assign_labels(labelling(input_ids, model.config), attention_mask)
@@ -163,7 +163,7 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
     ``labelling``: the :class:`~kvplan.Labelling` the plan was searched with, when it was not
     the default (token ids); a plan searched with another labelling is refused, naming it.
     Returns the model. A ``cache=`` passed to ``generate`` explicitly is used as is (an empty
-    :class:`KVPlanCache` has its sinks moved past the prompt's left padding, as ``make_cache`` does).
+    :class:`KVPlanCache` is aligned to the prompt's left padding, as ``make_cache`` does).
     ``kvplan.unload(model)`` restores the original ``generate`` and attention.
     """
     labelling = resolve_labelling(labelling)
@@ -186,7 +186,7 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
             input_ids = kwargs.get("input_ids", args[0] if args else None)
             kwargs["cache"] = make_cache(model, resolved, input_ids, kwargs.get("attention_mask"))
         elif isinstance(given, KVPlanCache) and not given.get_seq_length():  # the caller's fresh cache
-            given.align_sinks(kwargs.get("attention_mask"))
+            given.align_to_padding(kwargs.get("attention_mask"))
         return original(*args, **kwargs)
 
     generate._kvplan_original = original

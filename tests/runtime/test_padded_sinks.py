@@ -1,13 +1,18 @@
-"""Left-padded batches: every row's first real tokens are its attention sinks (``KVPlanCache.align_sinks``),
-as in the search, which scores unpadded sequences. Without it a padded row's sink positions hold padding:
-its streamed heads lose their sink and its first token is coded like any other (on the default model's
-recorded plan a padded row read KL 0.15-0.16 against 0.0116 unpadded, ``bench/results/padded_batches.md``)."""
+"""Left-padded batches are stored as the search stores unpadded sequences (``KVPlanCache.align_to_padding``):
+every row's first real tokens are its attention sinks, and its keys are quantized in the pre-RoPE frame of
+its own positions. Without it a padded row's sink positions hold padding (its streamed heads lose their
+sink, its first token is coded like any other) and its keys are turned by its padding's angle before they
+are coded: on the default model's recorded plan a padded row read KL 0.15-0.16 against 0.0116 unpadded
+(``bench/results/padded_batches.md``)."""
+
+import dataclasses
 
 import pytest
 import torch
 
 import kvplan
 from kvplan import CacheError, Geometry, KVPlanCache, uniform_plan
+from kvplan.models import rope_inv_freq
 from kvplan.runtime.load import make_cache
 from tests.runtime.routes import KERNELS, with_quantizer
 from tests.runtime.test_streamed_heads import streamed
@@ -20,9 +25,14 @@ ROW = 70  # prompt tokens of the padded row: two groups committed, the third fil
 
 def _plans():
     sink = uniform_plan(GEOM, 2, group_size=GROUP, residual_length=0, sink_length=2)
+    rotated = sink.replace(quantizer=dataclasses.replace(sink.quantizer, rotation="hadamard", key_pre_rope=True),
+                           rope_inv_freq=rope_inv_freq(tiny_llama()))
     return {
         "sink": sink,
         "streamed heads": streamed(with_quantizer(sink, recent_length=2, stream_window=3), [(0, 1), (1, 0)]),
+        "rotated keys": rotated,
+        "rotated keys, streamed heads": streamed(with_quantizer(rotated, recent_length=2, stream_window=3),
+                                                 [(0, 1), (1, 0)]),
     }
 
 
@@ -37,9 +47,9 @@ def _batch(pad: int):
     return row, ids, mask
 
 
-def _generate(model, ids, mask):
+def _generate(model, ids, mask, **kwargs):
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True)
+                         output_logits=True, return_dict_in_generate=True, **kwargs)
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)  # [B, 24], [B, 24, V]
 
 
@@ -56,7 +66,7 @@ def _assert_padded_row_reads_as_alone(model, plan, attention: str) -> None:
 
 
 @pytest.mark.parametrize("attention", [pytest.param("dequantize", id="dequantize"), *KERNELS])
-@pytest.mark.parametrize("name", ["sink", "streamed heads"])
+@pytest.mark.parametrize("name", ["sink", "streamed heads", "rotated keys", "rotated keys, streamed heads"])
 def test_a_left_padded_row_generates_as_it_does_alone(name, attention):
     """Padding of a whole number of groups keeps the padded row's groups where they are alone, so with
     its sinks moved past the padding it reads exactly what it reads alone: the same tokens and logits."""
@@ -78,7 +88,7 @@ def test_sinks_move_past_the_longest_left_padding():
     cache = KVPlanCache(plan, GEOM)
     cache.layers[0].update(torch.randn(2, 2, 4, 16), torch.randn(2, 2, 4, 16))
     with pytest.raises(CacheError, match="already holds tokens"):
-        cache.align_sinks(mask)
+        cache.align_to_padding(mask)
 
 
 def test_padding_is_held_as_sinks_and_counted():
@@ -122,3 +132,16 @@ def test_a_cache_passed_to_generate_has_its_sinks_moved_too():
         assert cache.sink_length == 2 + GROUP, keyword
         assert torch.equal(out[:, ids.shape[1]:], made), keyword
     kvplan.unload(model)
+
+
+@pytest.mark.parametrize("attention", [pytest.param("dequantize", id="dequantize"), *KERNELS])
+def test_beam_search_on_a_left_padded_batch_keeps_each_row_in_its_frame(attention):
+    """Beams repeat and reorder the rows: each keeps its own RoPE frame, so the padded row's best beam is
+    the one it finds alone."""
+    model = tiny_llama()
+    kvplan.load(model, _plans()["rotated keys"], attention=attention)
+    row, ids, mask = _batch(pad=GROUP)
+    batch_tokens, _ = _generate(model, ids, mask, num_beams=3)
+    alone_tokens, _ = _generate(model, row[None], torch.ones(1, row.numel(), dtype=torch.long), num_beams=3)
+    kvplan.unload(model)
+    assert torch.equal(batch_tokens[0], alone_tokens[0])

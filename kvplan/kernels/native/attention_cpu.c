@@ -156,7 +156,9 @@ static inline void group_rows(int t, int axis_channel, int group, int start_offs
  * key_t: the stored value read back; with `hadamard` the unnormalized FWHT of it (pass the
  * query times 1/sqrt(D)); with `rope_half` > 0 the rotate-half pairs (i, i + rope_half),
  * i < rope_half, turned by the angles cos_t[i * cs_f + t], sin_t[i * cs_f + t] (t: the token's
- * index inside this run; the caller offsets the tables to the run's first cache index).
+ * index inside this run; the caller offsets the tables to the run's first cache index), plus
+ * row_shift[b] for batch row b when `row_shift` is given (a left-padded batch: each row at its
+ * own RoPE positions; the tables then hold T + max(row_shift) columns).
  * `accumulate`: add to out instead of writing it (the key correction's scores); `uniform`: the
  * levels are the codes themselves (L[c] = c; `lut` is still given). Strides are in elements (codes: bytes); the last dimension of codes, scale, zero, q and out
  * is contiguous. */
@@ -167,7 +169,7 @@ void kvp_key_scores(int B, int H, int T, int D, int R,
                     int axis_channel, int group, int start_offset,
                     const float *q, int64_t qs_b, int64_t qs_h, int64_t qs_r,
                     int hadamard, int rope_half, const float *cos_t, const float *sin_t, int64_t cs_f,
-                    float *out, int64_t os_b, int64_t os_h, int64_t os_r, int accumulate, int uniform) {
+                    const int64_t *row_shift, float *out, int64_t os_b, int64_t os_h, int64_t os_r, int accumulate, int uniform) {
     vtile x[MAX_D]; /* x[d]: channel d of the tile's TILE tokens */
     const int fast = uniform && axis_channel && bits != 3;
     float v[MAX_D + 8];
@@ -179,6 +181,8 @@ void kvp_key_scores(int B, int H, int T, int D, int R,
             const float *zb = zero ? zero + b * ss_b + h * ss_h : NULL;
             const float *qb = q + b * qs_b + h * qs_h;
             float *ob = out + b * os_b + h * os_h;
+            const int64_t shift = row_shift ? row_shift[b] : 0;
+            const float *cos_b = cos_t ? cos_t + shift : NULL, *sin_b = sin_t ? sin_t + shift : NULL;
             for (int t0 = 0, n; t0 < T; t0 += n) {
                 n = T - t0 < TILE ? T - t0 : TILE;
                 if (fast) { /* a tile ends at its token group's end */
@@ -211,12 +215,12 @@ void kvp_key_scores(int B, int H, int T, int D, int R,
                 for (int i = 0; i < rope_half; i++) {
                     vtile c, sn;
                     if (n == TILE) { /* vector loads */
-                        memcpy(&c, cos_t + i * cs_f + t0, sizeof(c));
-                        memcpy(&sn, sin_t + i * cs_f + t0, sizeof(sn));
+                        memcpy(&c, cos_b + i * cs_f + t0, sizeof(c));
+                        memcpy(&sn, sin_b + i * cs_f + t0, sizeof(sn));
                     } else { /* a short tile: the tables may end at T */
                         c = sn = (vtile){0};
-                        memcpy(&c, cos_t + i * cs_f + t0, n * sizeof(float));
-                        memcpy(&sn, sin_t + i * cs_f + t0, n * sizeof(float));
+                        memcpy(&c, cos_b + i * cs_f + t0, n * sizeof(float));
+                        memcpy(&sn, sin_b + i * cs_f + t0, n * sizeof(float));
                     }
                     const vtile a = x[i], e = x[i + rope_half];
                     x[i] = a * c - e * sn;
