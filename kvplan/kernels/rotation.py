@@ -191,8 +191,6 @@ class Rotation:
     def row_angles(self, position: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``cos`` / ``sin`` of cache indices ``position ..`` for every batch row: ``[length, d/2]``
         or, when the rows' padding differs, ``[B, 1, length, d/2]``."""
-        if self.row_shift is None:
-            return self.angles(position, length)
         self.angles(position, length + self.max_shift)
         return self._per_row(self._cos, position, length), self._per_row(self._sin, position, length)
 
