@@ -33,11 +33,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import kvplan  # noqa: E402
 from kvplan.kernels.rotation import Rotation  # noqa: E402
-from kvplan.evaluation.harness import bootstrap_ci  # noqa: E402
+from kvplan.evaluation.harness import _kl, bootstrap_ci  # noqa: E402
 from kvplan.evaluation.tasks import default_task_samples  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
 from kvplan.runtime.cache import KVPlanCache  # noqa: E402
@@ -81,9 +80,8 @@ def decode_logits(model, history: list[int], evaluated: list[int], pad: int, pad
 
 
 def mean_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
-    """Mean over positions of KL(reference || logits), both ``[E, V]``."""
-    return F.kl_div(F.log_softmax(logits, -1), F.log_softmax(reference, -1), log_target=True,
-                    reduction="none").sum(-1).mean().item()
+    """Mean over positions of KL(reference || logits), both ``[E, V]``: the harness's KL (float64)."""
+    return _kl(torch.log_softmax(reference, -1), torch.log_softmax(logits, -1)).mean().item()
 
 
 def main() -> None:
