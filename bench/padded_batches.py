@@ -11,6 +11,8 @@ by one (teacher forcing); the KL of each step's next-token distribution from the
 model's is averaged. Rows:
 
 - ``alone``: the prompt unpadded;
+- ``batched, unpadded``: the prompt unpadded as row 0 of a batch whose row 1 is as long (another
+  sample's text): what a batch changes without any padding (the matrix shapes, hence float rounding);
 - ``padded P``: the prompt left-padded by ``P`` tokens (``attention_mask`` 0 there, RoPE positions
   from the mask, as ``generate`` does) in a batch with an unpadded row (another validation sample's
   text), the cache as ``kvplan.load`` makes it (``KVPlanCache.align_to_padding``): each row's first
@@ -36,7 +38,7 @@ import torch  # noqa: E402
 
 import kvplan  # noqa: E402
 from kvplan.kernels.rotation import Rotation  # noqa: E402
-from kvplan.evaluation.harness import _kl, bootstrap_ci  # noqa: E402
+from kvplan.evaluation import bootstrap_ci, kl_divergence  # noqa: E402
 from kvplan.evaluation.tasks import default_task_samples  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
 from kvplan.runtime.cache import KVPlanCache  # noqa: E402
@@ -56,12 +58,12 @@ def replaced(owner, name: str, value):
 
 @torch.no_grad()
 def decode_logits(model, history: list[int], evaluated: list[int], pad: int, pad_id: int,
-                  companion: list[int]) -> torch.Tensor:
-    """Logits ``[E, V]`` after each evaluated token, the history in the plan's cache: alone (``pad`` 0) or
-    left-padded by ``pad`` as row 0 of a batch whose row 1 is ``companion`` (``len(history) + pad + E``
-    tokens, unpadded)."""
+                  companion: list[int] | None) -> torch.Tensor:
+    """Logits ``[E, V]`` after each evaluated token, the history in the plan's cache: alone (``companion``
+    None, ``pad`` 0) or left-padded by ``pad`` (0 or more) as row 0 of a batch whose row 1 is ``companion``
+    (``len(history) + pad + E`` tokens, unpadded)."""
     rows = [[pad_id] * pad + history]
-    if pad:
+    if companion is not None:
         rows.append(companion[:pad + len(history)])
     ids = torch.tensor(rows)
     mask = torch.ones_like(ids)
@@ -71,7 +73,7 @@ def decode_logits(model, history: list[int], evaluated: list[int], pad: int, pad
     model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
     out = []
     for t, token in enumerate(evaluated):
-        step_ids = [[token]] + ([[companion[pad + len(history) + t]]] if pad else [])
+        step_ids = [[token]] + ([[companion[pad + len(history) + t]]] if companion is not None else [])
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], -1)
         step = model(input_ids=torch.tensor(step_ids), attention_mask=mask, position_ids=positions[:, -1:] + 1 + t,
                      cache=cache, use_cache=True)
@@ -81,7 +83,7 @@ def decode_logits(model, history: list[int], evaluated: list[int], pad: int, pad
 
 def mean_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
     """Mean over positions of KL(reference || logits), both ``[E, V]``: the harness's KL (float64)."""
-    return _kl(torch.log_softmax(reference, -1), torch.log_softmax(logits, -1)).mean().item()
+    return kl_divergence(torch.log_softmax(reference, -1), torch.log_softmax(logits, -1)).mean().item()
 
 
 def main() -> None:
@@ -101,30 +103,33 @@ def main() -> None:
         with torch.no_grad():
             references.append(model(input_ids=full).logits[0, len(s.history_ids):].float())
     kvplan.load(model, args.plan)
-    rows = [("alone", 0, contextlib.nullcontext)]
+    rows = [("alone", None, contextlib.nullcontext), ("batched, unpadded", 0, contextlib.nullcontext)]
     for pad in args.pads:
         rows += [(f"padded {pad}", pad, contextlib.nullcontext),
                  (f"padded {pad}, key frame at the cache index", pad,
                   lambda: replaced(Rotation, "set_row_padding", lambda self, padding: None)),
                  (f"padded {pad}, not aligned", pad,
                   lambda: replaced(KVPlanCache, "align_to_padding", lambda self, attention_mask: None))]
-    results = []
+    results, alone = [], None
     for name, pad, context in rows:
         kls = []
         with context():
             for i, (s, ref) in enumerate(zip(samples, references)):
                 other = samples[(i + 1) % len(samples)]  # the companion row: another sample's text, twice
-                companion = (other.history_ids + other.eval_ids) * 2
-                kls.append(mean_kl(ref, decode_logits(model, s.history_ids, s.eval_ids, pad, pad_id, companion)))
-        results.append((name, *bootstrap_ci(kls)))
+                companion = None if pad is None else (other.history_ids + other.eval_ids) * 2
+                kls.append(mean_kl(ref, decode_logits(model, s.history_ids, s.eval_ids, pad or 0, pad_id,
+                                                      companion)))
+        alone = alone or kls  # the first row: the paired differences below are against it
+        results.append((name, *bootstrap_ci(kls), *bootstrap_ci([k - a for k, a in zip(kls, alone)])))
         print(f"{name}: {results[-1][1]:.5f}", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# A plan on left-padded prompts (validation split)", "",
-             f"Command: `python bench/padded_batches.py {args.plan}` at commit {commit} (method in the script's "
+             f"Command: `python bench/padded_batches.py {' '.join(sys.argv[1:])}` at commit {commit} (method in the script's "
              f"docstring); {len(samples)} validation samples, 512-token history, {len(samples[0].eval_ids)} "
              "evaluated tokens each, decoded one by one through `kvplan.load`'s cache, default attention route.", "",
-             "| prompt | KL [95% CI] |", "|---|---|"]
-    lines += [f"| {name} | {kl:.4f} [{lo:.4f}, {hi:.4f}] |" for name, kl, lo, hi in results]
+             "| prompt | KL [95% CI] | minus `alone`, paired by sample [95% CI] |", "|---|---|---|"]
+    lines += [f"| {name} | {kl:.4f} [{lo:.4f}, {hi:.4f}] | {d:+.5f} [{dlo:+.5f}, {dhi:+.5f}] |"
+              for name, kl, lo, hi, d, dlo, dhi in results]
     lines += ["", f"Wall time {time.time() - t0:.0f} s."]
     atomic_write_text(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -194,12 +194,12 @@ def _score_rows(model, cache, rows: torch.Tensor, position_ids: torch.Tensor, sa
     return d
 
 
-# float64 bytes of one chunk of rows in _kl: its temporaries stay in the CPU caches (a whole
+# float64 bytes of one chunk of rows in kl_divergence: its temporaries stay in the CPU caches (a whole
 # [32, 262144] float64 temporary is 64 MiB, and every one of them is a fresh, page-faulted allocation)
 _KL_CHUNK_BYTES = 1 << 20
 
 
-def _kl(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
+def kl_divergence(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
     """KL(P || Q) per row from log-probs ``[..., V]``: ``sum exp(lp) (lp - lq)`` in float64, a few
     rows at a time (each row's arithmetic is the same whatever the chunk)."""
     V = lp.shape[-1]
@@ -430,7 +430,7 @@ def intended_quantized(plan: Plan) -> list[tuple[str, str]]:
 def _metrics(prepared: PreparedSample, sc: dict[str, torch.Tensor]) -> dict[str, float]:
     s = prepared.sample
     fp = prepared.fp["scored"]
-    kl = _kl(fp["eval"], sc["eval"])
+    kl = kl_divergence(fp["eval"], sc["eval"])
     out = {
         "kl": float(kl.mean()),
         "kl_max": float(kl.max()),
@@ -440,7 +440,7 @@ def _metrics(prepared: PreparedSample, sc: dict[str, torch.Tensor]) -> dict[str,
     }
     out["delta_nll"] = out["nll"] - out["nll_fp"]
     if s.options:
-        out["kl_answer"] = float(_kl(fp["answer_pos"], sc["answer_pos"]))
+        out["kl_answer"] = float(kl_divergence(fp["answer_pos"], sc["answer_pos"]))
         choice = _choice(sc["option_ll"], s.options)
         out["choice_agree"] = float(choice == prepared.fp["choice"])
         if s.answer is not None:
