@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -45,6 +44,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+try:  # bench/ is sys.path[0] when run as python bench/x.py, not when imported as bench.x from elsewhere
+    from _stamp import stamp  # noqa: E402
+except ModuleNotFoundError:
+    from bench._stamp import stamp  # noqa: E402
 from bench.codec_baselines import baseline_plans  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import STREAMED, atomic_write_text  # noqa: E402
@@ -175,9 +178,8 @@ def main() -> None:
                    for name, k in ONE_BIT_DAMAGE.items()}
 
     scorers = task_scorers(args.model, n_calibration=1, n_validation=16, n_test=16, progress=False)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"# Bit allocation's ceiling at {budget:g} bpv: the search's damage model", "",
-             f"Command: `python bench/allocation_ceiling.py {' '.join(sys.argv[1:])}` at commit {commit} (method "
+             f"Command: {stamp()} (method "
              f"in the script's docstring; {n_values} values at the plan's reference).", "",
              "| plan | honest bpv | predicted damage / best baseline's | validation KL | validation KL / best "
              "baseline's | test KL [95% CI] | test KL / best baseline's |",

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
@@ -36,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from bench.allocation_ceiling import plan_space, search_profile  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
@@ -130,9 +130,8 @@ def main() -> None:
             print(f"round {rounds} ({n_evals} evals): {best[1]} -> calibration KL {current_kl:.5f}", flush=True)
     start_plan, end_plan = plan_of(levels), plan_of(current)
     scored = {name: (scorers.validation(p), scorers.test(p)) for name, p in (("start", start_plan), ("end", end_plan))}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"# Allocation with more real evaluations: a local search from {plan.name}", "",
-             f"Command: `python bench/allocation_refine.py {' '.join(sys.argv[1:])}` at commit {commit} (method in "
+             f"Command: {stamp()} (method in "
              f"the script's docstring). Calibration {DEFAULT_SAMPLES['calibration']} samples, validation and test "
              f"16; {n_evals} calibration evaluations in {rounds} rounds, {len(steps)} moves taken.", "",
              "| plan | honest bpv | calibration KL | validation KL [95% CI] | test KL [95% CI] |",

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -36,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from kvplan.kernels.attention_chunked import chunked_decode_attention  # noqa: E402
 from kvplan.kernels.attention_native import native_decode_attention  # noqa: E402
 from kvplan.kernels.formats import Format, default_codebook  # noqa: E402
@@ -99,14 +99,8 @@ def main(argv=None) -> None:
                                                   "attention-cpu.md"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cmd = "python bench/attention_cpu.py" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(
-        argv if argv is not None else sys.argv[1:]))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                           text=True).stdout.strip()
     lines = ["# CPU decode attention, one layer (SmolLM2 head shapes)", "",
-             f"Command: `{cmd}` at commit {commit.strip()}{' (uncommitted changes)' if dirty else ''}; "
+             f"Command: {stamp(None if argv is None else [__file__, *argv])}; "
              f"torch {torch.__version__}, {args.threads} thread(s), "
              f"{time.strftime('%Y-%m-%d %H:%M')}, load average at start {os.getloadavg()[0]:.2f}.", "",
              "Median ms per call; `native / sdpa-fp32`: the native kernel's time over fp32 SDPA on the "

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
@@ -46,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from bench.allocation_ceiling import lowered_to, search_profile  # noqa: E402
 from bench.codec_baselines import baseline_plans  # noqa: E402
 from kvplan import Plan  # noqa: E402
@@ -226,9 +226,8 @@ def main() -> None:
     storage.PackedBlock.decode_into = _decode_into
     storage.PackedBlock.head_range = _head_range
     harness.build_plan_cache = _build
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Heavy hitters by attention mass: validation KL of the recorded plan with some tokens held at 8 bits",
-             "", f"Command: `python bench/attention_protection_probe.py {args.plan}` at commit {commit} (method "
+             "", f"Command: {stamp()} (method "
              "in the script's docstring; the protected tokens' bytes are not counted by the run: the cost column "
              "is what 8-bit per-token copies of them would add, as the plan's recent copies cost).", "",
              "| kinds | share of the history | selection | cost (bpv, not paid) | validation KL [95% CI] |",

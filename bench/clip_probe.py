@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from kvplan.kernels import reference as R  # noqa: E402
 from kvplan.kernels.qtypes import channel_group_size, qtype  # noqa: E402
 from kvplan.plans import atomic_write_text, uniform_plan  # noqa: E402
@@ -79,7 +80,7 @@ def main() -> None:
     _, held = harness_scorers(n_calibration=12, n_heldout=16, progress=False)
     g = held.geometry
     lines = ["# MSE-optimal clipping vs min-max at 2 bits: held-out KL (probe)", "",
-             "Command: `python bench/clip_probe.py` (method in the script's docstring).", "",
+             f"Command: {stamp()} (method in the script's docstring).", "",
              "| K / V bits (group 128, residual 0) | min-max (kvplan) | clip, same factor both ends | "
              "clip, independent ends |", "|---|---|---|---|"]
     for kb, vb in ((2, 2), (2, 16), (16, 2)):

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -41,6 +40,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+try:  # bench/ is sys.path[0] when run as python bench/x.py, not when imported as bench.x from elsewhere
+    from _stamp import stamp  # noqa: E402
+except ModuleNotFoundError:
+    from bench._stamp import stamp  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import STREAMED, atomic_write_text, slot_code  # noqa: E402
 from kvplan.search.streaming import stream_key  # noqa: E402
@@ -137,10 +140,8 @@ def main() -> None:
     budget = searched.target_bpv or searched.bpv().total
     scorers = task_scorers(args.model, n_calibration=1, n_validation=16, n_test=16, progress=False)
     rows = [("searched (kvplan search)", searched)] + baseline_plans(searched, profile, budget)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"# Searched plan vs codec-only baselines at {budget:g} bpv (best baseline chosen on validation)", "",
-             f"Command: `python bench/codec_baselines.py {' '.join(sys.argv[1:])}` at commit {commit} (method in "
-             "the script's docstring).", "",
+             f"Command: {stamp()} (method in the script's docstring).", "",
              "| plan | honest bpv | validation KL | test KL [95% CI] |", "|---|---|---|---|"]
     results = []  # (label, bpv, validation KL, test KL)
     for label, plan in rows:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from kvplan.kernels.formats import default_codebook  # noqa: E402
 from kvplan.models import rope_inv_freq  # noqa: E402
 from kvplan.plans import atomic_write_text, uniform_plan  # noqa: E402
@@ -64,9 +64,8 @@ def main() -> None:
     val = scorers.validation
     g = val.geometry
     inv_freq = rope_inv_freq(val.model)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Slot formats: validation KL of uniform plans", "",
-             f"Command: `python bench/codec_formats.py` at commit {commit} (method in the script's docstring).", "",
+             f"Command: {stamp()} (method in the script's docstring).", "",
              "| plan | formats | honest bpv | scales+zeros bpv | validation KL [95% CI] |", "|---|---|---|---|---|"]
     for label, kb, vb, ks, kl, vs, vl in ROWS:
         base = uniform_plan(g, kb, vb, group_size=128, residual_length=0, modalities=val.modalities,

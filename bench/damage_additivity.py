@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
@@ -29,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from bench.allocation_ceiling import plan_space, predicted_damage, search_profile, streamed_damage  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
@@ -68,12 +68,10 @@ def main() -> None:
     for part, p in (("streamed", streamed_only), ("quantized", quantized_only), ("whole", plan)):
         measured[part] = calibration(p)
         print(part, measured[part]["kl"], predicted[part], flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     labels = {"streamed": f"the {len(heads)} streamed heads alone (rest at 16 bits)",
               "quantized": "the quantized slots alone (streamed heads at 16 bits)", "whole": "the whole plan"}
     lines = [f"# Do a plan's damages add? ({plan.name})", "",
-             f"Command: `python bench/damage_additivity.py {' '.join(sys.argv[1:])}` at commit {commit} (method in "
-             "the script's docstring; calibration split, 12 samples).", "",
+             f"Command: {stamp()} (method in the script's docstring; calibration split, 12 samples).", "",
              "| part | honest bpv | predicted (additive model) | measured KL [95% CI] | measured / predicted |",
              "|---|---:|---:|---|---:|"]
     for part, p in (("streamed", streamed_only), ("quantized", quantized_only), ("whole", plan)):

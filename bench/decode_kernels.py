@@ -53,6 +53,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from _stamp import command, commit  # noqa: E402
+
 HQ, HKV, D = 28, 4, 128
 RESIDUAL = 128
 GROUP = 128
@@ -335,8 +337,6 @@ def step_table(rows, meta: dict) -> str:
 
 
 def run_step_table(args) -> int:
-    import subprocess
-
     import triton
 
     if args.cpu_smoke:
@@ -350,11 +350,7 @@ def run_step_table(args) -> int:
         device, dtype, name = torch.device("cuda"), torch.float16, torch.cuda.get_device_name()
         cells = [(T, B) for T in args.contexts for B in args.batches]
         iters, steps = args.iters, args.steps
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "kvplan", "bench"],
-                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    meta = dict(device=name, commit=commit.strip() + (" (+ uncommitted changes)" if dirty else ""),
-                command=args.command or "python " + " ".join(["bench/decode_kernels.py"] + sys.argv[1:]),
+    meta = dict(device=name, commit=commit(), command=args.command or command(),
                 date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__, triton=triton.__version__,
                 dtype=str(dtype).split(".")[1], iters=iters, steps=steps, tests=args.tests,
                 tests_command=args.tests_command)

@@ -11,6 +11,10 @@ torch.set_num_threads(1)
 import kvplan
 from pydoc_data.topics import topics
 
+from _stamp import stamp
+
+print(f"Command: {stamp()}", flush=True)
+
 plan_path = sys.argv[1]
 plan = kvplan.Plan.from_yaml(plan_path)
 model, tok = kvplan.load_model()

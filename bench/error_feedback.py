@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
 from kvplan.runtime.cache import plan_rotations  # noqa: E402
@@ -54,9 +54,8 @@ def main() -> None:
         return feedback_metric(moments, projections, lambda layer: plan_rotations(plan, "cpu", layer),
                                plan.reference.context_len, damping)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Error-feedback encoding: validation KL by damping", "",
-             f"Command: `python bench/error_feedback.py {args.plan}` at commit {commit} (method in the script's "
+             f"Command: {stamp()} (method in the script's "
              f"docstring).{f' The plan: `{args.origin}`.' if args.origin else ''} Honest bpv {plan.bpv().total:.4f} "
              "in every row (the encoder changes no byte).", "",
              "| encoder | damping | validation KL [95% CI] |", "|---|---:|---|"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from kvplan import KVPlanCache, Plan, load_model  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
 
@@ -66,11 +66,10 @@ def main() -> None:
         raise SystemExit(f"{args.plan}: the plan has no feedback_metric")
     plain = plan.replace(feedback_metric=None)
     model, tokenizer = load_model()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
     lines = ["# Error-feedback encoder: time to write a history into the cache", "",
-             f"Command: `python bench/feedback_cost.py {args.plan}` at commit {commit} (method in the script's "
+             f"Command: {stamp()} (method in the script's "
              f"docstring); 1 torch thread, load average at start {load}, median of {args.repeats}.", "",
              "| tokens written | nearest-level codes ms | error feedback ms | difference ms |", "|---:|---:|---:|---:|"]
     for T in args.lengths:

@@ -13,7 +13,9 @@ from pydoc_data.topics import topics
 from transformers import DynamicCache
 
 import kvplan
+from _stamp import stamp
 
+print(f"Command: {stamp()}", flush=True)
 torch.set_num_threads(1)
 plan_path = sys.argv[1]
 plan = kvplan.Plan.from_yaml(plan_path)

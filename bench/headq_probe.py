@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from kvplan.plans import atomic_write_text, uniform_plan  # noqa: E402
 from kvplan.runtime import cache as cache_mod  # noqa: E402
 from kvplan.runtime.storage import PackedBlock  # noqa: E402
@@ -116,7 +117,7 @@ def main() -> None:
     base = uniform_plan(g, 2, 2, group_size=128, residual_length=0, modalities=held.modalities,
                         reference=held.reference)
     lines = ["# HeadQ-style key side code on uniform int2: held-out KL (probe)", "",
-             "Command: `python bench/headq_probe.py` (method in the script's docstring). Not a kvplan feature: "
+             f"Command: {stamp()} (method in the script's docstring). Not a kvplan feature: "
              "the side code's bytes are not in the cache; its cost is the column on the right.", "",
              "| rank r | z | query energy in U (mean / min over heads) | held-out KL [95% CI] | "
              "side-code cost, bpv | int2 + side code, bpv |",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from bench.allocation_ceiling import lowered_to, search_profile  # noqa: E402
 from bench.codec_baselines import baseline_plans  # noqa: E402
 from kvplan import Plan  # noqa: E402
@@ -78,9 +78,8 @@ def main() -> None:
     searched = Plan.from_yaml(args.plan)
     profile = search_profile(args.plan)
     scorers = task_scorers(args.model, n_calibration=1, n_validation=16, n_test=16, progress=False)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Heavy-hitter copies paid with slot bits: the searched plan and the best codec-only baseline", "",
-             f"Command: `python bench/heavy_copies.py {' '.join(sys.argv[1:])}` at commit {commit} (method in the script's "
+             f"Command: {stamp()} (method in the script's "
              "docstring).", "", "Choosing the number of copies per KV head (validation split):", "",
              "| heavy_length | slot bits lowered to | honest bpv | validation KL [95% CI] |", "|---:|---:|---:|---|"]
 

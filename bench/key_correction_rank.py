@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import time
 
+from _stamp import stamp
 from kvplan.plans import atomic_write_text
 from kvplan.search import search
 from kvplan.search.scorers import task_scorers
@@ -37,9 +36,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     os.makedirs(args.out_dir, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True).stdout.strip()
+    run = stamp()  # the commit the run starts from
     t0 = time.perf_counter()
     scorers = task_scorers(progress=False)  # the CLI's defaults
     rows = []
@@ -57,7 +54,7 @@ def main() -> None:
     lines = [
         "# Key-correction rank, chosen on the validation split",
         "",
-        f"Command: `python {' '.join(sys.argv)}` at commit {commit}{' (+ uncommitted changes)' if dirty else ''}, "
+        f"Command: {run}, "
         f"{time.perf_counter() - t0:.0f} s in all. Default search per rank (`kvplan search --budget {args.budget}` "
         "settings), same scorers. **Chosen by validation KL; test KL only reported.**",
         "",

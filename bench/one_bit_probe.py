@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 import kvplan.kernels.qtypes as qtypes  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.kernels.formats import default_codebook  # noqa: E402
@@ -62,9 +62,8 @@ def main() -> None:
     levels = default_codebook(1, q.value_scaling, min(q.group_size, plan.geometry.head_dim))
     plan = plan.replace(quantizer=dataclasses.replace(q, codebooks=tuple(q.codebooks) + (("v", 1, tuple(levels)),)))
     val = task_scorers(n_calibration=1, n_validation=16, n_test=0, progress=False, attention="chunked").validation
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# A 1-bit value format? Validation KL with every value slot at 16 / 2 / 1 bits", "",
-             f"Command: `python bench/one_bit_probe.py {args.plan}` at commit {commit} (method in the script's "
+             f"Command: {stamp()} (method in the script's "
              f"docstring; 1-bit levels {[round(x, 4) for x in levels]} x the group's absmax, {q.value_scaling}).", "",
              "| value slots | honest bpv | validation KL [95% CI] |", "|---|---:|---|"]
     kl = {}

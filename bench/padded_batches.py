@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import subprocess
 import sys
 import time
 
@@ -36,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 import kvplan  # noqa: E402
 from kvplan.kernels.rotation import Rotation  # noqa: E402
 from kvplan.evaluation import bootstrap_ci, kl_divergence  # noqa: E402
@@ -122,9 +122,8 @@ def main() -> None:
         alone = alone or kls  # the first row: the paired differences below are against it
         results.append((name, *bootstrap_ci(kls), *bootstrap_ci([k - a for k, a in zip(kls, alone)])))
         print(f"{name}: {results[-1][1]:.5f}", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# A plan on left-padded prompts (validation split)", "",
-             f"Command: `python bench/padded_batches.py {' '.join(sys.argv[1:])}` at commit {commit} (method in the script's "
+             f"Command: {stamp()} (method in the script's "
              f"docstring); {len(samples)} validation samples, 512-token history, {len(samples[0].eval_ids)} "
              "evaluated tokens each, decoded one by one through `kvplan.load`'s cache, default attention route.", "",
              "| prompt | KL [95% CI] | minus `alone`, paired by sample [95% CI] |", "|---|---|---|"]

@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from bench.allocation_ceiling import plan_space  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
@@ -71,10 +71,8 @@ def main() -> None:
     with open(args.plan[: -len(".yaml")] + ".search.json") as f:
         profile = json.load(f)["profile"]
     val = task_scorers(n_calibration=1, n_validation=16, n_test=0, progress=False).validation
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Recent copies on a fixed plan: validation KL", "",
-             f"Command: `python bench/recent_tokens.py {args.plan}` at commit {commit} (method in the script's "
-             "docstring).", "",
+             f"Command: {stamp()} (method in the script's docstring).", "",
              "| recent_length | copies held as | honest bpv at 512 | residual bpv | validation KL [95% CI] |",
              "|---:|---|---:|---:|---|"]
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 import kvplan  # noqa: E402
 from kvplan.evaluation import default_task_samples, evaluate, pad_token_id, prepare_samples  # noqa: E402
 from kvplan.evaluation.parallel import usable_processes  # noqa: E402
@@ -49,9 +49,8 @@ def main() -> None:
     procs = usable_processes(model, args.samples)
     plans = {b: base.replace(quantizer=dataclasses.replace(base.quantizer, residual_bits=b), metrics={})
              for b in BITS}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Residual held as written vs per-token codes (validation split)", "",
-             f"Command: `python bench/residual_bits.py {' '.join(sys.argv[1:])}` at commit {commit} (method in the "
+             f"Command: {stamp()} (method in the "
              f"script's docstring); {args.samples} validation samples per length, 32 evaluated tokens each.", "",
              "| history tokens | waiting (uncommitted) | residual | KL [95% CI] | bpv measured | plan.bpv(T) |",
              "|---|---|---|---|---|---|"]

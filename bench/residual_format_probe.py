@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 
@@ -35,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 import kvplan  # noqa: E402
 from kvplan.evaluation import default_task_samples, evaluate, pad_token_id, prepare_samples  # noqa: E402
 from kvplan.kernels.formats import Format, lloyd_max_levels  # noqa: E402
@@ -114,9 +114,8 @@ def main() -> None:
         ("hadamard + absmax-e4m3, 4 bits, Lloyd-Max", 4, ("lloyd", 4)),
         ("hadamard + absmax-e4m3, 3 bits, Lloyd-Max", 3, ("lloyd", 3)),
     ]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Residual interim format probe (validation split)", "",
-             f"Command: `python bench/residual_format_probe.py {' '.join(sys.argv[1:])}` at commit {commit} (method "
+             f"Command: {stamp()} (method "
              f"in the script's docstring); {args.samples} validation samples per length, 32 evaluated tokens each, "
              f"the recorded plan's slots, sink and copies (group {q.group_size}, {q.recent_length} recent copies, "
              f"stream window {q.stream_window}).", "",

@@ -18,6 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _stamp import stamp  # noqa: E402
 from kvplan.models import rope_inv_freq  # noqa: E402
 from kvplan.plans import atomic_write_text, uniform_plan  # noqa: E402
 from kvplan.search.scorers import harness_scorers  # noqa: E402
@@ -29,7 +30,7 @@ def main() -> None:
     g = held.geometry
     inv_freq = rope_inv_freq(held.model)
     lines = ["# Rotations before quantization: held-out KL of uniform plans", "",
-             "Command: `python bench/rotation_probe.py` (method in the script's docstring).", "",
+             f"Command: {stamp()} (method in the script's docstring).", "",
              "| plan (group 128, residual 0) | honest bpv | rotation | keys pre-RoPE | held-out KL [95% CI] |",
              "|---|---|---|---|---|"]
     for kb, vb in ((2, 16), (16, 2), (2, 2), (3, 2), (4, 4)):

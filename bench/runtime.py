@@ -68,6 +68,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from _stamp import command, commit  # noqa: E402
+
 QUANTIZED = [("quanto", 4), ("quanto", 2), ("hqq", 4), ("hqq", 2)]
 KVPLAN_BASELINES = ["int4", "int2", "k4v2"]
 REFERENCE = "dynamic-fp32"
@@ -621,12 +623,9 @@ def main(argv=None) -> int:
     decode_cells = args.decode_cells or [(T, B) for T in args.contexts for B in args.batches]
     max_t = max([t for t, _ in decode_cells] + [t for t, _ in args.prefill_cells])
     ids_all = text_ids(tok, max_t)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    meta = {"commit": commit + (" (uncommitted changes)" if dirty else ""),
+    meta = {"commit": commit(),
             "device": args.device if not is_cuda else torch.cuda.get_device_name(),
-            "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv or sys.argv[1:])),
+            "command": command(None if argv is None else [__file__, *argv]),
             "model": "SmolLM2-135M-Instruct (embedded)", "dtype": str(dtype).split(".")[1],
             "torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads,
             "cpu": f"{os.cpu_count()} CPUs ({platform.machine()})", "loadavg": os.getloadavg()[0],

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 import kvplan.kernels.feedback as feedback  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.kernels import reference  # noqa: E402
@@ -101,9 +101,8 @@ def main() -> None:
     q = plan.quantizer
     val = task_scorers(n_calibration=1, n_validation=16, n_test=0, progress=False).validation
     feedback.group_scales = clipped_scales
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Scale clipping probe: validation KL of a fixed plan with clipped group ranges", "",
-             f"Command: `python bench/scale_clipping_probe.py {args.plan}` at commit {commit} (method in the "
+             f"Command: {stamp()} (method in the "
              f"script's docstring). Keys on the {q.key_axis} axis, values on the {q.value_axis} axis; honest bpv "
              f"{plan.bpv().total:.4f} in every row; ratios {list(RATIOS)}.", "",
              "| clipped | validation KL [95% CI] |", "|---|---|"]

@@ -43,6 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _stamp import command, commit  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text, headguard_plan, slot_code, uniform_plan  # noqa: E402
 from kvplan.search import search  # noqa: E402
@@ -189,7 +190,7 @@ def main() -> None:
     if os.path.exists(a.out):
         with open(a.out) as f:
             res = json.load(f)
-    res.update(plan=a.plan, budget=budget, command=" ".join(["python"] + sys.argv))
+    res.update(plan=a.plan, budget=budget, command=command(), commit=commit())
     if a.part in ("quality", "all"):
         res["quality"] = quality(plan, side, cal, held, budget)
         for fam in ("uniform", "headguard", "kvtuner", "codec"):

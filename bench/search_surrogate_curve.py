@@ -16,6 +16,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _stamp import command, commit  # noqa: E402
 from kvplan.models import Geometry  # noqa: E402
 from kvplan.plans import Reference  # noqa: E402
 from kvplan.search import search  # noqa: E402
@@ -28,6 +29,7 @@ def main():
     ap.add_argument("--budget", type=float, default=2.6)
     ap.add_argument("--out", default="bench/results/search_surrogate_curve.json")
     a = ap.parse_args()
+    run = {"command": command(), "commit": commit()}  # taken before the run, as it starts
     geom = Geometry(30, 3, 64, ("full",) * 30, "llama")
     ref = Reference(512, (("text", 0.0673828125), ("doc", 0.9326171875)))
     curves = {}
@@ -39,7 +41,7 @@ def main():
             curves[(sur, seed)] = np.array([c[1] for c in r.curve])
             print(f"surrogate={sur} seed={seed}: best KL {r.curve[-1][1]:.5g} after {a.n_trials} evals "
                   f"(+{r.n_profile_evals} profile)", flush=True)
-    res = {"args": vars(a), "curves": {f"surrogate={k[0]},seed={k[1]}": v.tolist() for k, v in curves.items()}}
+    res = {**run, "args": vars(a), "curves": {f"surrogate={k[0]},seed={k[1]}": v.tolist() for k, v in curves.items()}}
     for seed in (0, 1, 2):
         on, off = curves[(True, seed)], curves[(False, seed)]
         target = off[-1]  # the KL plain TPE reaches with all its evaluations

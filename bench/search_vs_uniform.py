@@ -16,6 +16,7 @@ import argparse
 import itertools
 import time
 
+from _stamp import stamp
 from kvplan import Plan, uniform_plan
 from kvplan.plans import atomic_write_text
 from kvplan.search.scorers import harness_scorers
@@ -48,7 +49,7 @@ def main() -> None:
     fitting = [u for u in uniform if u[1] <= budget + 1e-9]
     above = [u for u in uniform if u[1] > budget + 1e-9]
     lines = [f"# Searched plan vs uniform plans (held-out, {args.samples} samples, {args.history_tokens}-token history)",
-             "", f"Command: `python bench/search_vs_uniform.py {args.plan}`", "",
+             "", f"Command: {stamp()}", "",
              "| plan | honest bpv | held-out KL [95% CI] | top-1 |", "|---|---|---|---|"]
     for name, bpv, m in rows:
         lines.append(f"| {name} | {bpv:.3f} | {m['kl']:.4f} [{m.get('kl_ci95_lo', float('nan')):.4f}, "

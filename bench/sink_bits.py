@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
@@ -42,9 +42,8 @@ def main() -> None:
     q = plan.quantizer
     sink = max(q.sink_length, 1)
     val = task_scorers(n_calibration=1, n_validation=16, n_test=0, progress=False).validation
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Attention-sink tokens as written vs 8-bit codes: validation KL", "",
-             f"Command: `python bench/sink_bits.py {args.plan}` at commit {commit} (method in the script's "
+             f"Command: {stamp()} (method in the script's "
              f"docstring).{f' The plan: `{args.origin}`.' if args.origin else ''} Its own sink: {q.sink_length} "
              f"token(s), sink_bits {q.sink_bits}.", "",
              "| sink_length | held as | honest bpv at 512 | validation KL [95% CI] |", "|---:|---|---:|---|"]

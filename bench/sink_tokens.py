@@ -14,6 +14,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _stamp import stamp  # noqa: E402
 from kvplan.plans import atomic_write_text, uniform_plan  # noqa: E402
 from kvplan.search.scorers import harness_scorers  # noqa: E402
 
@@ -22,7 +23,7 @@ def main() -> None:
     t0 = time.time()
     _, held = harness_scorers(n_calibration=1, n_heldout=16, progress=False)
     lines = ["# Attention-sink tokens at full precision: uniform int2, held-out KL", "",
-             "Command: `python bench/sink_tokens.py`", "",
+             f"Command: {stamp()}", "",
              "| group size | sink_length | honest bpv | held-out KL [95% CI] |", "|---|---|---|---|"]
     for gs in (128, 64):
         for sink in (0, 1, 4):

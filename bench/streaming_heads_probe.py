@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
@@ -44,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from bench.allocation_ceiling import plan_space, search_profile  # noqa: E402
 from bench.codec_baselines import baseline_plans, key_ranking  # noqa: E402
 from kvplan import Plan  # noqa: E402
@@ -256,9 +256,8 @@ def main() -> None:
         rows.append((f"rank-based: {n_stream} least-damaged heads streamed, then {raised}", plan, streamed))
 
     # 3. measured on validation
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"# Streaming KV heads at {budget:g} bpv: validation KL", "",
-             f"Command: `python bench/streaming_heads_probe.py {' '.join(sys.argv[1:])}` at commit {commit} (method in "
+             f"Command: {stamp()} (method in "
              f"the script's docstring; window {args.window} history tokens + sink {STREAM['sink']}; a streamed head "
              f"costs {stream_cost:.5f} bpv of the cache instead of its two slots).", "",
              "| plan | streamed heads | honest bpv | predicted damage | validation KL [95% CI] |",

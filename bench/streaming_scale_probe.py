@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -27,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from bench.allocation_ceiling import plan_space, search_profile  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
@@ -62,9 +62,8 @@ def main() -> None:
         rows.append((f, len(opt.heads), q, p.bpv().total, opt.predicted, cal["kl"], val["kl"]))
         print(rows[-1][:2], q.group_size, q.recent_length, q.sink_length, q.residual_length, cal["kl"], val["kl"],
               flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"# Streaming damage scale: the damage model's optimum at each scale ({plan.name}'s profile)", "",
-             f"Command: `python bench/streaming_scale_probe.py {' '.join(sys.argv[1:])}` at commit {commit} "
+             f"Command: {stamp()} "
              f"(method in the script's docstring; the search calibrated {profile.get(STREAM_SCALE_KEY)}). "
              f"Calibration {DEFAULT_SAMPLES['calibration']} samples, validation {DEFAULT_SAMPLES['validation']}; "
              "no trial of the search, only the knapsack optimum.", "",

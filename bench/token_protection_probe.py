@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
 from kvplan.runtime import storage  # noqa: E402
@@ -117,10 +117,8 @@ def main() -> None:
     plan = Plan.from_yaml(args.plan)
     plan = plan.replace(quantizer=dataclasses.replace(plan.quantizer, recent_length=0))  # its slots alone
     val = task_scorers(n_calibration=1, n_validation=16, n_test=0, progress=False, attention="dequantize").validation
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Token protection probe: validation KL of a fixed plan with some tokens exact", "",
-             f"Command: `python bench/token_protection_probe.py {args.plan}` at commit {commit} (method in the "
-             "script's docstring; the exact tokens' bytes are not counted).", "",
+             f"Command: {stamp()} (method in the script's docstring; the exact tokens' bytes are not counted).", "",
              "| kinds kept exact | share of each block | selection | validation KL [95% CI] |", "|---|---:|---|---|"]
     for kinds, share, select in [("-", 0.0, "-")] + ROWS:
         MODE.update(kinds=kinds, share=share, select=select)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 
@@ -30,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _stamp import stamp  # noqa: E402
 import kvplan.kernels.feedback as feedback  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.kernels.formats import default_codebook  # noqa: E402
@@ -102,10 +102,8 @@ def main() -> None:
     t0 = time.time()
     plan = Plan.from_yaml(args.plan)
     validation = task_scorers(n_calibration=1, n_validation=16, n_test=0, progress=False).validation
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = ["# Value groups along time (value_axis: channel) vs per token", "",
-             f"Command: `python bench/value_axis_probe.py {' '.join(sys.argv[1:])}` at commit {commit} (method in "
-             "the script's docstring). Every slot keeps the recorded plan's bits.", "",
+             f"Command: {stamp()} (method in the script's docstring). Every slot keeps the recorded plan's bits.", "",
              "| values grouped | value scaling | honest bpv | scales+zeros bpv | validation KL [95% CI] |",
              "|---|---|---:|---:|---|"]
     for label, p in variants(plan):
