@@ -51,23 +51,32 @@ from ._checks import STREAMED, split_codes
 from ._fields import SINK_AXIS
 
 
-def committed_length(total: int, residual_length: int, group_size: int) -> int:
-    """Number of oldest tokens stored quantized once ``total`` tokens were written."""
-    if total < residual_length + group_size:
+def committed_length(total: int, residual_length: int, group_size: int, grid_origin: int = 0) -> int:
+    """Number of oldest tokens stored quantized once ``total`` tokens were written.
+
+    Groups are aligned to ``grid_origin + k * group_size``: 0, or in a left-padded batch its longest
+    padding (``KVPlanCache.align_to_padding``), so that the most-padded row commits exactly what it
+    commits alone; the positions before the origin commit with the first group.
+    """
+    n = total - grid_origin
+    if n < residual_length + group_size:
         return 0
-    return group_size * ((total - residual_length) // group_size)
+    return grid_origin + group_size * ((n - residual_length) // group_size)
 
 
-def sliding_kept_start(total: int, window: int | None, group_size: int) -> int:
+def sliding_kept_start(total: int, window: int | None, group_size: int, grid_origin: int = 0) -> int:
     """First position a sliding-window layer still stores once ``total`` tokens were written.
 
     The model's attention needs the newest ``window - 1`` past tokens (what transformers'
-    ``DynamicSlidingWindowLayer`` keeps); the cache frees whole aligned groups of ``group_size``
-    tokens that lie entirely before them, committed or not. ``window=None`` (a full layer): 0.
+    ``DynamicSlidingWindowLayer`` keeps); the cache frees whole groups of ``group_size`` tokens
+    (aligned to ``grid_origin``, see :func:`committed_length`) that lie entirely before them,
+    committed or not, and the positions before the origin with the first of them.
+    ``window=None`` (a full layer): 0.
     """
-    if window is None or total - (window - 1) <= 0:
+    n = total - grid_origin - (window - 1) if window is not None else 0
+    if n < group_size:
         return 0
-    return group_size * ((total - (window - 1)) // group_size)
+    return grid_origin + group_size * (n // group_size)
 
 
 # per heavy-hitter copy and KV head, besides its K and V codes: its position (int32) and the

@@ -463,11 +463,12 @@ class KVPlanLayer(CacheLayerMixin):
             return
         q = self.owner.plan.quantizer
         total = self.get_seq_length()
+        origin = self.owner.grid_origin
         if self.window is not None and free:
-            kept = sliding_kept_start(total, self.window, q.group_size)
+            kept = sliding_kept_start(total, self.window, q.group_size, origin)
             if kept > self.dropped:
                 self._free_before(kept)
-        target = committed_length(total, q.residual_length, q.group_size)
+        target = committed_length(total, q.residual_length, q.group_size, origin)
         if target > self.committed:
             self._commit_oldest(target)
         for kind in KINDS:
@@ -520,7 +521,8 @@ class KVPlanLayer(CacheLayerMixin):
                         fb = (fb[0][list(heads)], fb[1][list(heads)])
                     fmt = None if bits == STREAMED else q.format(kind, bits)
                     blocks.append(PackedBlock.encode(xh, heads, bits, q.axis(kind), q.group_size, start, basis,
-                                                     q.key_correction_bits, self.rotation[kind], range_flag, fmt, fb))
+                                                     q.key_correction_bits, self.rotation[kind], range_flag, fmt, fb,
+                                                     grid_origin=self.owner.grid_origin))
                 new[kind].append((label, start, length, blocks))
         if range_flag is not None and bool(range_flag.item()):  # host sync (CUDA, once per commit; see above)
             raise ValueError("KV values exceed the fp16 range of the stored scales/zero-points; cannot quantize "
@@ -654,9 +656,11 @@ class KVPlanCache(Cache):
         self.commits_paused = False
         # positions [0, sink_length) are held apart as attention sinks: the plan's sink_length, moved past a
         # batch's left padding by align_to_padding, which also sets each row's padding (None: unpadded), by
-        # which its pre-RoPE key frame trails the cache index
+        # which its pre-RoPE key frame trails the cache index, and the group grid's origin (the longest
+        # padding: groups start at grid_origin + k * group_size, plans.accounting.committed_length)
         self.sink_length = plan.quantizer.sink_length
         self.row_padding: list[int] | None = None
+        self.grid_origin = 0
         self._labels: list[str] = []
         # format codes [L, H_kv, 2, M] (bits, + CORRECTED if corrected), resolved from the rules once
         self.code_table = plan.code_table()
@@ -677,9 +681,12 @@ class KVPlanCache(Cache):
         (``attention_mask [B, T]`` of the prompt, 0 = padding), the cache then keeps positions
         ``[0, P + S)`` apart as sinks, ``P`` the longest left padding of any row and ``S`` the plan's
         ``sink_length`` (the padding and the less-padded rows' extra tokens are held as sinks too, at
-        ``quantizer.sink_bits``, counted by :meth:`nbytes`), and rotates row ``b``'s keys by its RoPE
-        position, its cache index minus its padding (:meth:`Rotation.set_row_padding`). A no-op for
-        unpadded prompts. Call before the prompt is written.
+        ``quantizer.sink_bits``, counted by :meth:`nbytes`), starts the token groups at ``P``
+        (``grid_origin``: the most-padded row commits, groups and frees its tokens exactly as it does
+        alone; a sink-less plan codes the positions before ``P`` as one short group), and rotates row
+        ``b``'s keys by its RoPE position, its cache index minus its padding
+        (:meth:`Rotation.set_row_padding`). A no-op for unpadded prompts. Call before the prompt is
+        written.
         """
         if attention_mask is None:
             return
@@ -696,6 +703,7 @@ class KVPlanCache(Cache):
         if self.plan.quantizer.sink_length:
             self.sink_length = self.plan.quantizer.sink_length + max(leading)
         self.row_padding = leading
+        self.grid_origin = max(leading)
 
     # ------------------------------------------------------------------ modality labels
     def assign_labels(self, labels: Sequence[str] | Sequence[Sequence[str]], attention_mask=None) -> None:

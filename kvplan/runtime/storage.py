@@ -80,7 +80,7 @@ class PackedBlock:
     def encode(cls, x: torch.Tensor, heads, bits, axis, group_size, start: int, basis: torch.Tensor | None = None,
                correction_bits: int = 4, rotation: Rotation | None = None,
                range_flag: torch.Tensor | None = None, fmt: Format | None = None,
-               feedback: tuple[torch.Tensor, torch.Tensor] | None = None) -> "PackedBlock":
+               feedback: tuple[torch.Tensor, torch.Tensor] | None = None, grid_origin: int = 0) -> "PackedBlock":
         """Quantize ``x [B, h, T, D]`` (tokens starting at absolute position ``start``).
 
         With ``rotation`` the codes hold ``rotation.forward(x, start)`` (full-precision blocks
@@ -91,12 +91,14 @@ class PackedBlock:
         ``fmt``: the slot format (default v1; the correction code is always v1). ``feedback``:
         ``(U [h, D, D], order [h, D])`` of :func:`kvplan.kernels.feedback.feedback_factors`: the
         codes are chosen by error feedback (same scales and bytes; None: nearest level).
+        ``grid_origin``: channel-axis token groups are aligned to ``grid_origin + k * group_size``
+        (``KVPlanCache.grid_origin``; 0 unless a batch is left-padded).
         """
         T, D = x.shape[-2], x.shape[-1]
         if bits == STREAMED:  # a streamed head's tokens: nothing stored (reads are masked off)
             return cls(tuple(heads), bits, axis, group_size, 0, T, D,
                        x.new_empty((*x.shape[:2], T, 0), dtype=torch.uint8), position=start)
-        offset = start % group_size if axis == "channel" else 0
+        offset = (start - grid_origin) % group_size if axis == "channel" else 0
         if bits == FULL_PRECISION_BITS:
             return cls(tuple(heads), bits, axis, group_size, 0, T, D, x.contiguous(), position=start)
         fmt = None if fmt is None or fmt.legacy else fmt
@@ -114,7 +116,7 @@ class PackedBlock:
             err = x.float() - block._decode_base(torch.float32)  # [B, h, T, D]
             z = torch.matmul(err, basis)  # [B, h, T, r]
             block.correction = cls.encode(z, heads, correction_bits, "channel", group_size, start,
-                                          range_flag=range_flag)
+                                          range_flag=range_flag, grid_origin=grid_origin)
             block.basis = basis
         return block
 

@@ -1,6 +1,7 @@
 """Left-padded batches are stored as the search stores unpadded sequences (``KVPlanCache.align_to_padding``):
-every row's first real tokens are its attention sinks, and its keys are quantized in the pre-RoPE frame of
-its own positions. Without it a padded row's sink positions hold padding (its streamed heads lose their
+every row's first real tokens are its attention sinks, the token groups start at the longest padding (the
+most-padded row commits, groups and frees its tokens as it does alone), and its keys are quantized in the
+pre-RoPE frame of its own positions. Without it a padded row's sink positions hold padding (its streamed heads lose their
 sink, its first token is coded like any other) and its keys are turned by its padding's angle before they
 are coded: on the default model's recorded plan a padded row read KL 0.15-0.16 against 0.0115 unpadded
 (``bench/results/padded_batches.md``)."""
@@ -12,7 +13,9 @@ import torch
 
 import kvplan
 from kvplan import CacheError, Geometry, KVPlanCache, uniform_plan
-from kvplan.models import rope_inv_freq
+from kvplan.models import TEXT, rope_inv_freq
+from kvplan.plans import plan_bytes
+from kvplan.plans._fields import SINK_AXIS
 from kvplan.runtime.load import make_cache
 from tests.runtime.routes import KERNELS, with_quantizer
 from tests.runtime.test_streamed_heads import streamed
@@ -53,11 +56,11 @@ def _generate(model, ids, mask, **kwargs):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)  # [B, 24], [B, 24, V]
 
 
-def _assert_padded_row_reads_as_alone(model, plan, attention: str) -> None:
-    """Under ``plan`` on ``attention``: the row left-padded by one group in a batch generates the tokens
-    and logits it generates alone."""
+def _assert_padded_row_reads_as_alone(model, plan, attention: str, pad: int = GROUP) -> None:
+    """Under ``plan`` on ``attention``: the row left-padded by ``pad`` in a batch generates the tokens and
+    logits it generates alone."""
     kvplan.load(model, plan, attention=attention)
-    row, ids, mask = _batch(pad=GROUP)
+    row, ids, mask = _batch(pad)
     batch_tokens, batch_logits = _generate(model, ids, mask)
     alone_tokens, alone_logits = _generate(model, row[None], torch.ones(1, row.numel(), dtype=torch.long))
     kvplan.unload(model)
@@ -65,13 +68,15 @@ def _assert_padded_row_reads_as_alone(model, plan, attention: str) -> None:
     torch.testing.assert_close(batch_logits[0], alone_logits[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("pad", [GROUP, 13])
 @pytest.mark.parametrize("attention", [pytest.param("dequantize", id="dequantize"), *KERNELS])
 @pytest.mark.parametrize("name", ["sink", "streamed heads", "rotated keys", "rotated keys, streamed heads"])
-def test_a_left_padded_row_generates_as_it_does_alone(name, attention):
-    """Padding of a whole number of groups keeps the padded row's groups where they are alone, so with
-    its sinks moved past the padding it reads exactly what it reads alone: the same tokens and logits."""
+def test_a_left_padded_row_generates_as_it_does_alone(name, attention, pad):
+    """The group grid starts at the padding (a whole number of groups or not), the sinks follow it and
+    the keys keep their own RoPE frame, so the padded row reads exactly what it reads alone: the same
+    tokens and logits."""
     model = tiny_llama()
-    _assert_padded_row_reads_as_alone(model, _plans()[name], attention)
+    _assert_padded_row_reads_as_alone(model, _plans()[name], attention, pad)
 
 
 def test_sinks_move_past_the_longest_left_padding():
@@ -91,30 +96,37 @@ def test_sinks_move_past_the_longest_left_padding():
         cache.align_to_padding(mask)
 
 
-def test_padding_is_held_as_sinks_and_counted():
+@pytest.mark.parametrize("name", ["sink", "streamed heads"])
+def test_padding_is_held_as_sinks_and_counted(name):
     """The padded positions before the sinks are stored at sink_bits, not in the slots' groups, and the
-    cache's bytes count them: a padded batch of T positions holds P more sink positions than the plan's
-    unpadded layout of T tokens (fp32 model: 32-bit residual accounting)."""
+    cache's bytes count them: each row of a batch padded by P holds what the unpadded row holds (the
+    plan's layout of its tokens, ``plan_bytes``) plus P positions at sink_bits (fp32 model: 32-bit
+    residual accounting). A padding that is not a whole number of groups moves the group grid with it."""
     model = tiny_llama()
-    plan = _plans()["sink"]
-    pad = 5
-    _, ids, mask = _batch(pad)
-    cache = make_cache(model, plan, ids, mask)
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
-    T = ids.shape[1]
-    moved = with_quantizer(plan, sink_length=2 + pad)  # the layout this cache holds
-    assert cache.bpv() == moved.bpv(context_len=T, full_precision_bits=32).total
-    assert cache.bpv() > plan.bpv(context_len=T, full_precision_bits=32).total
+    plan = _plans()[name]
+    q = plan.quantizer
+    kvplan.load(model, plan)  # streamed heads need kvplan's attention
+    for pad in (5, GROUP + 3):
+        _, ids, mask = _batch(pad)
+        cache = make_cache(model, plan, ids, mask)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        assert cache.grid_origin == pad
+        unpadded = sum(plan_bytes(plan, GEOM, [TEXT] * ROW, batch_size=2, fp_bytes=4).values())
+        payload, scales = q.sink_format.run_bytes(SINK_AXIS, q.group_size, GEOM.head_dim, 0, pad, 4)
+        padding = 2 * GEOM.num_layers * GEOM.num_kv_heads * 2 * (payload + scales)  # rows x layers x heads x K, V
+        assert cache.nbytes() == unpadded + padding, pad
+    kvplan.unload(model)
 
 
+@pytest.mark.parametrize("pad", [GROUP, 13])
 @pytest.mark.parametrize("attention", ["dequantize", "native"])
-def test_a_left_padded_row_of_a_sliding_window_model_generates_as_it_does_alone(attention):
+def test_a_left_padded_row_of_a_sliding_window_model_generates_as_it_does_alone(attention, pad):
     """Gemma 3's sliding layers (window 48) free the groups that leave the window, the sinks with the
     first: the padded row's reads still equal its reads alone past the window."""
     model = tiny_gemma3(sliding_window=48)
     plan = uniform_plan(Geometry.of(model), 2, group_size=GROUP, residual_length=0, sink_length=2)
-    _assert_padded_row_reads_as_alone(model, plan, attention)
+    _assert_padded_row_reads_as_alone(model, plan, attention, pad)
 
 
 def test_a_cache_passed_to_generate_has_its_sinks_moved_too():
