@@ -18,7 +18,8 @@ model's is averaged. Rows:
   text), the cache as ``kvplan.load`` makes it (``KVPlanCache.align_to_padding``): each row's first
   real tokens are its sinks and its keys are quantized in the pre-RoPE frame of its own positions;
 - ``padded P, key frame at the cache index``: the same with ``Rotation.set_row_padding`` a no-op: the
-  sinks move, the keys are un-rotated by their cache index (the behaviour of db92d7b);
+  sinks and the group grid move, the keys are un-rotated by their cache index (db92d7b's keys; db92d7b's
+  groups stayed on the absolute grid, which is the same when ``P`` is a whole number of groups);
 - ``padded P, not aligned``: the same with ``align_to_padding`` a no-op: the sink positions hold
   padding (the behaviour before db92d7b).
 """
