@@ -97,7 +97,8 @@ class NativePieces:
     token groups), run on a thread pool (ctypes releases the GIL during a call). The calls of one
     phase are queued and run by :meth:`finish`; everything they read is prepared on the calling
     thread (tables grown, scales converted), so the workers only run C loops on disjoint outputs
-    (values: each chunk into its own partial sum, added in order afterwards)."""
+    (values: each call into its own partial sum, added in queue order afterwards, so a run's result
+    does not depend on which worker finishes first)."""
 
     def __init__(self, lib):
         self.lib = lib
@@ -197,10 +198,15 @@ class NativePieces:
             probs = probs.contiguous()
         levels = _levels(piece.bits, piece.fmt)
         chunks = self._chunks(piece)
+        # one thread runs the queue in order, so its calls may add into acc itself; on the thread pool
+        # every call gets its own partial sum: the runs of successive segments read into the same acc
+        # rows, and two C loops adding into one row at once would race (lost updates, and an order
+        # that changes run to run)
+        in_place = self.threads == 1
         for a, b, part in chunks:
             args, keep = self._run_args(part, probs.shape[2])
             p = probs[..., a:b]
-            target = acc if len(chunks) == 1 else torch.zeros_like(acc)
+            target = acc if in_place else torch.zeros_like(acc)
             call = (self.lib.kvp_value_accum, [*args, _ptr(p), *p.stride()[:3], _ptr(target), *target.stride()[:3],
                                                _ptr(levels), _uniform(part)])
             self.queue.append(([call], (keep, p, levels), None if target is acc else target, acc))

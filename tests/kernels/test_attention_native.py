@@ -182,6 +182,43 @@ def test_threads_split_runs_into_token_chunks(codec, monkeypatch):
     torch.testing.assert_close(many, one, atol=1e-6, rtol=1e-6)
 
 
+def test_threads_add_each_value_run_into_its_own_partial_sum():
+    """On the thread pool the value runs of successive segments read into the same output rows: each
+    call adds into its own partial sum, summed in queue order afterwards, so a decode step gives the
+    same result on every run (two C loops adding into one row at once lose updates, and their order
+    changed from run to run: the default model's logits moved by up to 0.15 over 32 steps)."""
+    from kvplan.kernels import attention_native
+
+    D, B, Hkv, group, n_segments = 64, 2, 3, 32, 24
+    heads = tuple(range(Hkv))
+    k = rand((B, Hkv, n_segments * group, D), torch.float32, seed=6)
+    v = rand((B, Hkv, n_segments * group, D), torch.float32, seed=7, scale=0.5)
+    kb = [[PackedBlock.encode(k[:, :, i * group:(i + 1) * group], heads, 2, "channel", group, i * group)]
+          for i in range(n_segments)]
+    vb = [[PackedBlock.encode(v[:, :, i * group:(i + 1) * group], heads, 2, "token", group, i * group)]
+          for i in range(n_segments)]
+    q = rand((B, Hkv * 3, 1, D), torch.float32, seed=8, scale=0.5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native_decode_attention(q, kb, vb, None, None)
+        torch.set_num_threads(2)
+        reader = attention_native.NativePieces(native_build.native_library())
+        acc = torch.zeros(B, Hkv, 3, D)
+        probs = torch.full((B, Hkv, 3, group), 1.0 / group)
+        reader.value_add(vb[0][0], probs, acc)
+        reader.value_add(vb[1][0], probs, acc)
+        assert [partial is not None and partial.data_ptr() != acc.data_ptr() for _, _, partial, _ in reader.queue] \
+            == [True, True]
+        reader.finish()
+        runs = [native_decode_attention(q, kb, vb, None, None) for _ in range(20)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(r, runs[0]) for r in runs)
+    torch.testing.assert_close(runs[0], one, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(one, reference_decode_attention(q, kb, vb, None, None), atol=1e-4, rtol=1e-4)
+
+
 def test_unwritable_build_folder_is_said(monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
