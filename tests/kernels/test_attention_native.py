@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -19,6 +21,17 @@ from tests.kernels.attention_cases import ATTN_CASES, assert_matches_reference, 
 @pytest.mark.parametrize("case", list(ATTN_CASES.values()), ids=list(ATTN_CASES))
 def test_native_matches_reference(case):
     assert_matches_reference(native_decode_attention, case)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` inside the block (the native kernel's pool follows them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _inv_freq(d):
@@ -168,16 +181,12 @@ def test_threads_split_runs_into_token_chunks(codec, monkeypatch):
                               rotation=None if rot is None else Rotation(hadamard_matrix(D)))]]
     q = rand((B, Hkv * 3, 1, D), torch.float32, seed=5, scale=0.5)
     ref = reference_decode_attention(q, kb, vb, None, None)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = native_decode_attention(q, kb, vb, None, None)
-        torch.set_num_threads(3)
+    with torch_threads(3):
         reader = attention_native.NativePieces(native_build.native_library())
         assert len(reader._chunks(kb[0][0])) == 3  # the run is split
         many = native_decode_attention(q, kb, vb, None, None)
-    finally:
-        torch.set_num_threads(before)
     torch.testing.assert_close(one, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(many, one, atol=1e-6, rtol=1e-6)
 
@@ -198,11 +207,9 @@ def test_threads_add_each_value_run_into_its_own_partial_sum():
     vb = [[PackedBlock.encode(v[:, :, i * group:(i + 1) * group], heads, 2, "token", group, i * group)]
           for i in range(n_segments)]
     q = rand((B, Hkv * 3, 1, D), torch.float32, seed=8, scale=0.5)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = native_decode_attention(q, kb, vb, None, None)
-        torch.set_num_threads(2)
+    with torch_threads(2):
         reader = attention_native.NativePieces(native_build.native_library())
         acc = torch.zeros(B, Hkv, 3, D)
         probs = torch.full((B, Hkv, 3, group), 1.0 / group)
@@ -212,8 +219,6 @@ def test_threads_add_each_value_run_into_its_own_partial_sum():
             == [True, True]
         reader.finish()
         runs = [native_decode_attention(q, kb, vb, None, None) for _ in range(20)]
-    finally:
-        torch.set_num_threads(before)
     assert all(torch.equal(r, runs[0]) for r in runs)
     torch.testing.assert_close(runs[0], one, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(one, reference_decode_attention(q, kb, vb, None, None), atol=1e-4, rtol=1e-4)
