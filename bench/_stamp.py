@@ -6,7 +6,8 @@
 A result is only worth recording with what reproduces it: :func:`stamp` gives the Markdown
 `` `python bench/x.py ARGS` at commit abc1234 `` (the arguments as typed, so no option is lost), the command prefixed with the
 environment variables that change what runs (thread counts, the Triton interpreter, kvplan's own), and
-the short commit, marked when tracked files under ``kvplan/`` or ``bench/`` differ from it.
+the short commit the run started from (read when the script imports this module), marked when
+tracked files under ``kvplan/`` or ``bench/`` differ from it.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")
 
 
-def commit() -> str:
-    """HEAD's short hash (``KVPLAN_COMMIT`` when run from a copy without ``.git``), with
-    `` (+ uncommitted changes)`` when tracked files under ``kvplan/`` or ``bench/`` differ from it."""
+def _read_commit() -> str:
     given = os.environ.get("KVPLAN_COMMIT")
     if given:
         return given
@@ -37,6 +36,18 @@ def commit() -> str:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "kvplan", "bench"],
                            cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return head.stdout.strip() + (" (+ uncommitted changes)" if dirty else "")
+
+
+# read when a script imports this module, at its start: a commit made while a long run goes on is
+# not the code that run loaded
+_AT_START = _read_commit()
+
+
+def commit() -> str:
+    """The commit the run started from: HEAD's short hash when this module was imported
+    (``KVPLAN_COMMIT`` when run from a copy without ``.git``), with `` (+ uncommitted changes)``
+    when tracked files under ``kvplan/`` or ``bench/`` differed from it."""
+    return _AT_START
 
 
 def command(argv: list[str] | None = None) -> str:
