@@ -683,7 +683,7 @@ class KVPlanCache(Cache):
         ``sink_length`` (the padding and the less-padded rows' extra tokens are held as sinks too, at
         ``quantizer.sink_bits``, counted by :meth:`nbytes`), starts the token groups at ``P``
         (``grid_origin``: the most-padded row commits, groups and frees its tokens exactly as it does
-        alone; a sink-less plan codes the positions before ``P`` as one short group), and rotates row
+        alone; a sink-less plan codes the positions before ``P`` in groups of their own), and rotates row
         ``b``'s keys by its RoPE position, its cache index minus its padding
         (:meth:`Rotation.set_row_padding`). A no-op for unpadded prompts. Call before the prompt is
         written.

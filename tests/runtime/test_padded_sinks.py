@@ -31,6 +31,7 @@ def _plans():
     rotated = sink.replace(quantizer=dataclasses.replace(sink.quantizer, rotation="hadamard", key_pre_rope=True),
                            rope_inv_freq=rope_inv_freq(tiny_llama()))
     return {
+        "no sink": with_quantizer(sink, sink_length=0),
         "sink": sink,
         "streamed heads": streamed(with_quantizer(sink, recent_length=2, stream_window=3), [(0, 1), (1, 0)]),
         "rotated keys": rotated,
@@ -70,7 +71,7 @@ def _assert_padded_row_reads_as_alone(model, plan, attention: str, pad: int = GR
 
 @pytest.mark.parametrize("pad", [GROUP, 13])
 @pytest.mark.parametrize("attention", [pytest.param("dequantize", id="dequantize"), *KERNELS])
-@pytest.mark.parametrize("name", ["sink", "streamed heads", "rotated keys", "rotated keys, streamed heads"])
+@pytest.mark.parametrize("name", ["no sink", "sink", "streamed heads", "rotated keys", "rotated keys, streamed heads"])
 def test_a_left_padded_row_generates_as_it_does_alone(name, attention, pad):
     """The group grid starts at the padding (a whole number of groups or not), the sinks follow it and
     the keys keep their own RoPE frame, so the padded row reads exactly what it reads alone: the same
