@@ -87,13 +87,18 @@ def mean_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
     return kl_divergence(torch.log_softmax(reference, -1), torch.log_softmax(logits, -1)).mean().item()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(description: str, out: str) -> argparse.Namespace:
+    """The plan, the validation samples and the paddings (this bench's and ``padded_codes_probe.py``'s)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("plan")
     ap.add_argument("--samples", type=int, default=8, help="validation samples (default 8)")
     ap.add_argument("--pads", type=int, nargs="+", default=[40, 128], help="left paddings (default 40 128)")
-    ap.add_argument("--out", default="bench/results/padded_batches.md")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=out)
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], "bench/results/padded_batches.md")
     t0 = time.time()
     model, tokenizer = kvplan.load_model()
     samples = default_task_samples(tokenizer, split="validation", n=args.samples)

@@ -15,7 +15,6 @@ model runs at another sequence length and with a mask).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -30,6 +29,7 @@ from _stamp import stamp  # noqa: E402
 from kvplan.evaluation import default_task_samples  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
 from kvplan.runtime.load import make_cache  # noqa: E402
+from padded_batches import parse_args  # noqa: E402
 
 
 @torch.no_grad()
@@ -60,12 +60,7 @@ def compare_codes(alone, padded) -> tuple[int, int, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("plan")
-    ap.add_argument("--samples", type=int, default=8, help="validation samples (default 8)")
-    ap.add_argument("--pads", type=int, nargs="+", default=[40, 128], help="left paddings (default 40 128)")
-    ap.add_argument("--out", default="bench/results/padded_codes_probe.md")
-    args = ap.parse_args()
+    args = parse_args(__doc__.splitlines()[0], "bench/results/padded_codes_probe.md")
     t0 = time.time()
     torch.set_num_threads(1)
     model, tokenizer = kvplan.load_model()
