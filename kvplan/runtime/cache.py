@@ -654,17 +654,26 @@ class KVPlanCache(Cache):
         # set when the model runs kvplan's fused attention (see runtime/fused.py)
         self.attention_kernel = attention_kernel
         self.commits_paused = False
-        # positions [0, sink_length) are held apart as attention sinks: the plan's sink_length, moved past a
-        # batch's left padding by align_to_padding, which also sets each row's padding (None: unpadded), by
-        # which its pre-RoPE key frame trails the cache index, and the group grid's origin (the longest
-        # padding: groups start at grid_origin + k * group_size, plans.accounting.committed_length)
-        self.sink_length = plan.quantizer.sink_length
+        # each row's left padding, set by align_to_padding (None: unpadded): by it a row's pre-RoPE key
+        # frame trails the cache index, and grid_origin and sink_length follow from it
         self.row_padding: list[int] | None = None
-        self.grid_origin = 0
         self._labels: list[str] = []
         # format codes [L, H_kv, 2, M] (bits, + CORRECTED if corrected), resolved from the rules once
         self.code_table = plan.code_table()
         super().__init__(layers=[KVPlanLayer(self, i) for i in range(geometry.num_layers)])
+
+    @property
+    def grid_origin(self) -> int:
+        """Where the token groups start (``grid_origin + k * group_size``,
+        ``plans.accounting.committed_length``): the batch's longest left padding, 0 unpadded."""
+        return max(self.row_padding) if self.row_padding else 0
+
+    @property
+    def sink_length(self) -> int:
+        """Positions ``[0, sink_length)`` are held apart as attention sinks: the plan's ``sink_length``,
+        moved past the longest left padding (:meth:`align_to_padding`); 0 for a plan without sinks."""
+        sinks = self.plan.quantizer.sink_length
+        return sinks + self.grid_origin if sinks else 0
 
     def pause_commits(self) -> None:
         """Stop quantizing further tokens: new tokens stay in the full-precision residual.
@@ -698,12 +707,8 @@ class KVPlanCache(Cache):
             raise CacheError(f"align_to_padding: attention_mask must be [batch, tokens], got shape "
                              f"{list(mask.shape)}")
         leading = (mask.ne(0).long().cumsum(-1) == 0).sum(-1).tolist()  # [B]: padding before each row's first token
-        if not any(leading):
-            return
-        if self.plan.quantizer.sink_length:
-            self.sink_length = self.plan.quantizer.sink_length + max(leading)
-        self.row_padding = leading
-        self.grid_origin = max(leading)
+        if any(leading):
+            self.row_padding = leading
 
     # ------------------------------------------------------------------ modality labels
     def assign_labels(self, labels: Sequence[str] | Sequence[Sequence[str]], attention_mask=None) -> None:
