@@ -4,10 +4,10 @@
     lines = ["# Title", "", f"Command: {stamp()} (method in the script's docstring).", ...]
 
 A result is only worth recording with what reproduces it: :func:`stamp` gives the Markdown
-`` `python bench/x.py ARGS` at commit abc1234 `` (the arguments as typed, so no option is lost), the command prefixed with the
-environment variables that change what runs (thread counts, the Triton interpreter, kvplan's own), and
-the short commit the run started from (read when the script imports this module), marked when
-tracked files under ``kvplan/`` or ``bench/`` differ from it.
+`` `python bench/x.py ARGS` at commit abc1234 ``: the arguments as typed (so no option is lost), the
+command prefixed with the environment variables that change what runs (thread counts, the Triton
+interpreter, kvplan's own), and the short commit the run started from (read when the script imports
+this module), marked when tracked files under ``kvplan/`` or ``bench/`` differ from it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Left-padded batches are stored as the search stores unpadded sequences (``KVPlanCache.align_to_padding``):
 every row's first real tokens are its attention sinks, the token groups start at the longest padding (the
 most-padded row commits, groups and frees its tokens as it does alone), and its keys are quantized in the
-pre-RoPE frame of its own positions. Without it a padded row's sink positions hold padding (its streamed heads lose their
-sink, its first token is coded like any other) and its keys are turned by its padding's angle before they
-are coded: on the default model's recorded plan a padded row read KL 0.15-0.16 against 0.0115 unpadded
+pre-RoPE frame of its own positions. Without it a padded row's sink positions hold padding (its streamed
+heads lose their sink, its first token is coded like any other) and its keys are turned by its padding's
+angle before they are coded: on the default model's recorded plan a padded row read KL 0.15-0.16 against 0.0115 unpadded
 (``bench/results/padded_batches.md``)."""
 
 import dataclasses
