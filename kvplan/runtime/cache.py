@@ -200,6 +200,9 @@ class KVPlanLayer(CacheLayerMixin):
         fused = self.owner.attention_kernel is not None and t_new <= MAX_FUSED_QUERY
         # decided on the state get_mask_sizes saw (the pending commit below frees nothing either)
         packed = fused and self.committed > 0
+        # a decode step, on every route: what the fused kernels attend for; its commits are not scored for
+        # the heavy-hitter copies (a prompt's are)
+        decode_step = t_new <= MAX_FUSED_QUERY and self.committed > 0
         if fused:
             self._commit(free=False)  # a commit left pending by the previous step's attention call, if any
         start = self.get_seq_length()
@@ -221,7 +224,10 @@ class KVPlanLayer(CacheLayerMixin):
             mark_streamed(keys, self)
         self._commit()
         if self.heavy is not None and self.heavy.pending:
-            mark_observed(keys, self)  # the attention call scores the committed tokens (observe_prompt)
+            if decode_step:  # unscored, as the fused route leaves them
+                self.heavy.resolve()
+            else:  # a prompt: its attention call scores the committed tokens (observe_prompt)
+                mark_observed(keys, self)
         return keys, values
 
     def observe_prompt(self, query: torch.Tensor, keys: torch.Tensor, scaling: float,
@@ -636,7 +642,9 @@ class KVPlanCache(Cache):
     """A transformers ``Cache`` that stores K and V following a :class:`~kvplan.Plan`.
 
     Use through ``model.generate(cache=KVPlanCache(plan, model))`` or let
-    :func:`kvplan.load` create one per ``generate`` call. Before the prefill, label the
+    :func:`kvplan.load` create one per ``generate`` call (a plan that streams KV heads needs
+    ``kvplan.load`` either way: only kvplan's attention masks what they do not store, and a cache
+    made for a model outside it is refused). :meth:`reset` empties it for the next prompt. Before the prefill, label the
     prompt's tokens with :meth:`assign_labels` (``kvplan.load`` does it from
     ``input_ids`` for VLMs; unlabelled and generated tokens are ``"text"``) and, for a
     left-padded batch, call :meth:`align_to_padding` with its attention mask (``kvplan.load``'s
@@ -646,6 +654,8 @@ class KVPlanCache(Cache):
     def __init__(self, plan: Plan, model_or_geometry=None, attention_kernel=None):
         geometry = plan.geometry if model_or_geometry is None else Geometry.of(model_or_geometry)
         plan.check_geometry(geometry)
+        if hasattr(model_or_geometry, "config"):
+            _check_streaming_attention(plan, model_or_geometry)
         if plan.geometry.sliding_window is None and geometry.sliding_window is not None:
             # a plan written before windows were recorded: its sliding layers follow the model's window
             plan = plan.replace(geometry=geometry)
@@ -707,8 +717,16 @@ class KVPlanCache(Cache):
             raise CacheError(f"align_to_padding: attention_mask must be [batch, tokens], got shape "
                              f"{list(mask.shape)}")
         leading = (mask.ne(0).long().cumsum(-1) == 0).sum(-1).tolist()  # [B]: padding before each row's first token
-        if any(leading):
-            self.row_padding = leading
+        self.row_padding = leading if any(leading) else None
+
+    def reset(self) -> None:
+        """Empty the cache for a new prompt, as freshly made: every layer's tokens, and the prompt state
+        the last prompt set (its row padding from :meth:`align_to_padding`, its labels from
+        :meth:`assign_labels`, :meth:`pause_commits`)."""
+        super().reset()
+        self.row_padding = None
+        self._labels = []
+        self.commits_paused = False
 
     # ------------------------------------------------------------------ modality labels
     def assign_labels(self, labels: Sequence[str] | Sequence[Sequence[str]], attention_mask=None) -> None:
@@ -788,6 +806,22 @@ class KVPlanCache(Cache):
                 for h in block.heads:
                     out[h].extend([block.bits] * seg.length)
         return out
+
+
+def _check_streaming_attention(plan: Plan, model) -> None:
+    """Refuse a plan that streams KV heads (bits 0) for a model not running kvplan's attention
+    function: only it masks the committed positions those heads store nothing for (another
+    attention would read them as zeros, silently)."""
+    if not plan.streamed_heads():
+        return
+    from .fused import ATTENTION_NAME
+
+    config = model.config
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if config._attn_implementation != ATTENTION_NAME:
+        raise PlanError("bits", "the plan streams KV heads (bits 0), which only kvplan's attention masks: run "
+                        "the model under kvplan.load(model, plan) (or kvplan.runtime.attention_route(model, "
+                        "attention, plan)) before making its cache", show_value=False)
 
 
 def _heads_of(parts: tuple, idx: list[int]) -> tuple:

@@ -10,7 +10,8 @@ residual's precision, as :class:`~kvplan.runtime.storage.Residual` codes them, w
 :func:`window_mass`: the softmax probability the window's queries, and the query heads sharing the
 KV head, give each token, summed). Each KV head then keeps its ``heavy_length`` best-scored tokens
 among its held copies and the candidates (ties: the newest first). Tokens committed with no scoring
-forward (decode steps, or writes without kvplan's attention) are unscored candidates (score -1,
+forward (decode steps: forwards of at most ``MAX_FUSED_QUERY`` tokens once the layer has committed any, on
+every attention route; or writes without kvplan's attention) are unscored candidates (score -1,
 below every probability): they fill free places and never displace a scored copy. The number of
 copies is therefore :func:`kvplan.plans.accounting.heavy_tokens` at every length, whatever the scores.
 

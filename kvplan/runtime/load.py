@@ -97,15 +97,7 @@ def make_cache(model, plan, input_ids=None, attention_mask=None, labelling: Labe
     kernel = getattr(model, "_kvplan_attention_kernel", None)
     labelling = labelling_in_force(model, labelling)
     resolved = resolve_plan(plan, model, labelling)
-    if streams(resolved):
-        from .fused import ATTENTION_NAME
-
-        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-        if cfg._attn_implementation != ATTENTION_NAME:
-            raise PlanError("bits", "the plan streams KV heads (bits 0), which only kvplan's attention masks: run "
-                            "the model under kvplan.load(model, plan) (or kvplan.runtime.attention_route(model, "
-                            "attention, plan))", show_value=False)
-    cache = KVPlanCache(resolved, model, attention_kernel=kernel)
+    cache = KVPlanCache(resolved, model, attention_kernel=kernel)  # refuses streamed heads outside kvplan's attention
     cache.align_to_padding(attention_mask)  # a left-padded batch: each row's sinks and key frame as unpadded
     if input_ids is not None:
         check_modalities(resolved, model, labelling=labelling)
@@ -172,8 +164,6 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
                      labelling=labelling)
     kernel = _attention_kernel(model, attention)
     unload(model)
-    # heavy-hitter copies are chosen by a prompt's attention: kvplan's attention function scores them
-    # on every route (on the dequantize route it is SDPA over the dequantized cache)
     # heavy-hitter copies are chosen by a prompt's attention, and streamed KV heads mask what they do not
     # store: kvplan's attention function runs on the dequantize route too
     _install_attention(model, kernel, observe=resolved.quantizer.heavy_length > 0 or streams(resolved))

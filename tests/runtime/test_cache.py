@@ -190,6 +190,37 @@ def test_explicit_cache_and_unload():
     assert isinstance(plain.cache, DynamicCache)
 
 
+def test_a_reset_cache_stores_the_next_prompt_as_a_fresh_one():
+    """A cache used for a left-padded batch, then reset, stores the next (unpadded) prompt as a fresh
+    cache does: the last prompt's padding (sinks, group grid), labels and paused commits go with its tokens."""
+    model = tiny_llama()
+    plan = uniform_plan(Geometry.of(model), 2, group_size=32, residual_length=0, sink_length=1)
+    ids = torch.randint(5, 200, (2, 50), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :20] = 0
+    cache = kvplan.make_cache(model, plan, ids, mask)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache=cache)
+    assert (cache.grid_origin, cache.sink_length) == (20, 21)
+    cache.pause_commits()
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.row_padding is None and not cache.commits_paused
+    prompt = ids[:, 20:]
+    runs = [model.generate(input_ids=prompt, cache=c, max_new_tokens=40, do_sample=False, output_scores=True,
+                           return_dict_in_generate=True) for c in (cache, kvplan.make_cache(model, plan, prompt))]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    for a, b in zip(runs[0].scores, runs[1].scores):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert cache.layers[0].committed == 64 and cache.nbytes() == runs[1].cache.nbytes()
+
+    labelled = KVPlanCache(uniform_plan(GEOM, 4, modalities=("text", "visual")))
+    labelled.assign_labels(["visual"] * 3)
+    labelled.reset()
+    assert labelled.labels_for(0, 3) == ["text"] * 3
+    labelled.align_to_padding(torch.tensor([[0, 1], [1, 1]]))
+    labelled.align_to_padding(torch.ones(2, 2))  # a later unpadded prompt on the empty cache: no padding
+    assert labelled.row_padding is None
+
+
 @pytest.mark.parametrize("model_type,window", [("mistral", 8), ("qwen2", None)])
 def test_other_architectures_fp16_identical(model_type, window):
     model = tiny_llama(model_type=model_type, sliding_window=window)

@@ -129,6 +129,23 @@ def test_fused_kernels_read_the_copies_like_the_dequantize_route(attention):
     assert any(not torch.equal(a, b) for a, b in zip(out.scores, plain.scores))  # the copies change what is read
 
 
+@pytest.mark.parametrize("attention", KERNELS)
+def test_decode_steps_fill_free_copies_unscored_on_every_route(attention):
+    """More copies than the prompt commits: the tokens decode steps commit fill the free places unscored
+    (score -1) on the dequantize route as on the packed kernels, so both keep the same copies and read
+    the same numbers (the dequantize route once scored them by the step's one query)."""
+    model = tiny_llama()
+    plan = with_quantizer(uniform_plan(Geometry.of(model), 2, group_size=32, residual_length=0, sink_length=1),
+                          residual_bits=8, recent_length=3, heavy_length=40, rotation="hadamard")
+    out, ref = generate_like_dequantize(model, plan, attention, max_new_tokens=40)  # commits at 32 (prompt), 64
+    for got, want in zip(out.cache.layers, ref.cache.layers):
+        assert torch.equal(got.heavy.positions.sort(-1).values, want.heavy.positions.sort(-1).values)
+        assert torch.equal(got.heavy.scores, want.heavy.scores)
+        decoded = want.heavy.positions >= 32  # committed by the decode step that reached 64 tokens
+        assert bool(decoded.any()) and bool((want.heavy.scores[decoded] == -1).all())
+        assert bool((want.heavy.scores[~decoded] > 0).all())
+
+
 @pytest.mark.parametrize("attention", ["dequantize", "native"])
 def test_the_harness_keeps_the_copies_a_deployed_prompt_keeps(attention):
     """The search's harness (history written, then scored with the queries its full-precision prefill

@@ -256,15 +256,18 @@ def test_plan_checks():
 
 def test_a_model_attending_without_kvplan_is_refused():
     """A streamed plan's cache for a model on its own attention (no kvplan.load) would attend to what the
-    heads do not store: make_cache refuses it, naming the remedy."""
+    heads do not store: make_cache refuses it, and so does the documented explicit cache
+    (``generate(cache=KVPlanCache(plan, model))``), naming the remedy."""
     model = tiny_llama(head_dim=64)
     plan = streamed(with_quantizer(uniform_plan(GEOM, 2, group_size=32, residual_length=0, sink_length=1),
                                    stream_window=4), [(0, 1)])
-    with pytest.raises(kvplan.PlanError, match="only kvplan's attention masks"):
-        make_cache(model, plan)
+    for make in (lambda: make_cache(model, plan), lambda: KVPlanCache(plan, model)):
+        with pytest.raises(kvplan.PlanError, match="only kvplan's attention masks"):
+            make()
     kvplan.load(model, plan, attention="dequantize")
     try:
         assert make_cache(model, plan).layers[0].streamed == (1,)
+        assert KVPlanCache(plan, model).layers[0].streamed == (1,)
     finally:
         kvplan.unload(model)
 
