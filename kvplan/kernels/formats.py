@@ -200,11 +200,15 @@ def default_codebook(bits: int, scaling_name: str, group_len: int) -> tuple[floa
 
 
 # ----------------------------------------------------------------------------- scale storage
+class ScaleRangeError(ValueError):
+    """A group's scale is past what its format's scale dtype holds (the cache names where)."""
+
+
 def store_scale(s: torch.Tensor, fmt: Format) -> torch.Tensor:
     """fp32 scales in the format's scale dtype (refusing values past its range)."""
     dt = fmt.spec.scale_dtype
     limit = E4M3_MAX if dt == torch.float8_e4m3fn else _FP16_MAX
     if bool((s > limit).any()):
-        raise ValueError(f"KV values need a scale of {s.max().item():.4g}, past the {fmt.scaling} range "
-                         f"({limit:g}); cannot quantize this block")
+        raise ScaleRangeError(f"the values need a scale of {s.max().item():.4g}, past the {fmt.scaling} range "
+                              f"({limit:g}); cannot quantize them in this format")
     return s.to(dt)

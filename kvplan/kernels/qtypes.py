@@ -60,8 +60,9 @@ def packed_row_bytes(n_codes: int, bits: int) -> int:
 
 
 def channel_group_size(group_size: int, head_dim: int) -> int:
-    """Group length along D for per-token groups: a group never spans two tokens."""
-    g = min(group_size, head_dim)
-    if head_dim % g:
-        raise ValueError(f"head_dim {head_dim} is not a multiple of the per-token group size {g}")
-    return g
+    """Group length along D for per-token groups: the largest divisor of ``head_dim`` that is at most
+    ``group_size``, so that groups tile each token's channels and never span two tokens (head_dim 80,
+    as phi-2's, with group 32: 20 channels per group; 128 with group 32: 32)."""
+    if group_size < 1 or head_dim < 1:
+        raise ValueError(f"group_size {group_size} and head_dim {head_dim} must be positive")
+    return max(g for g in range(1, min(group_size, head_dim) + 1) if head_dim % g == 0)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import Format, store_scale
+from .formats import Format, ScaleRangeError, store_scale
 from .qtypes import channel_group_size, qtype
 
 _FP16_MAX = 65504.0
@@ -114,7 +114,7 @@ def _byte_levels(fmt: Format, device) -> torch.Tensor:
 def _scale_zero(mn: torch.Tensor, mx: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 scale and zero-point from fp32 group min / max."""
     if bool((mn < -_FP16_MAX).any() or (mx > _FP16_MAX).any()):
-        raise ValueError(
+        raise ScaleRangeError(
             "KV values exceed the fp16 range of the stored scales/zero-points "
             f"(min {mn.min().item():.4g}, max {mx.max().item():.4g}); cannot quantize this block"
         )
@@ -172,8 +172,8 @@ def group_scales(x: torch.Tensor, bits: int, group_size: int, axis: str, start_o
     if fmt.spec.symmetric:
         return store_scale(hi, fmt), None
     if bool((lo < -_FP16_MAX).any() or (hi > _FP16_MAX).any()):
-        raise ValueError("KV values exceed the fp16 range of the stored zero-points "
-                         f"(min {lo.min().item():.4g}, max {hi.max().item():.4g}); cannot quantize this block")
+        raise ScaleRangeError("KV values exceed the fp16 range of the stored zero-points "
+                              f"(min {lo.min().item():.4g}, max {hi.max().item():.4g}); cannot quantize this block")
     zero = lo.to(fmt.spec.zero_dtype)
     return store_scale((hi - zero.float()) / ((1 << fmt.bits) - 1), fmt), zero
 

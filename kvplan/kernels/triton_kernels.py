@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .formats import ScaleRangeError
 from .qtypes import FULL_PRECISION_BITS, STREAMED, channel_group_size, packed_row_bytes, qtype
 
 __all__ = [
@@ -435,7 +436,7 @@ def quantize(
         raise ValueError(f"unknown quantization axis {axis!r}; expected 'token' or 'channel'")
     if range_flag is None and check_range and T and bool(flag.item()):  # host sync (see the docstring)
         xf = x.float()
-        raise ValueError(
+        raise ScaleRangeError(
             "KV values exceed the fp16 range of the stored scales/zero-points "
             f"(min {xf.min().item():.4g}, max {xf.max().item():.4g}); cannot quantize this block"
         )

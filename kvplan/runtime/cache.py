@@ -34,6 +34,7 @@ to; the attention mask gets the kept range from ``get_mask_sizes``.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import replace
 from typing import Sequence
@@ -45,6 +46,7 @@ from ..errors import CacheError, PlanError
 from ..models.geometry import Geometry
 from ..kernels import FULL_PRECISION_BITS
 from ..kernels.feedback import feedback_factors
+from ..kernels.formats import ScaleRangeError
 from ..kernels.rotation import Rotation, hadamard_matrix
 from ..plans import KINDS, STREAMED, Plan, committed_length, split_codes, stored_runs
 from ..plans._fields import SINK_AXIS
@@ -492,6 +494,15 @@ class KVPlanLayer(CacheLayerMixin):
             self.recent[kind].drop_oldest(self.recent[kind].length - keep)
         self._stored_changed()  # called by every change of the segments (commit, free)
 
+    @contextlib.contextmanager
+    def _coding(self, kind: str, heads, start: int, length: int):
+        """Name where a block's values cannot be coded (a scale past its format's range)."""
+        try:
+            yield
+        except ScaleRangeError as e:
+            raise CacheError(f"layer {self.layer_idx}, {'keys' if kind == 'k' else 'values'} of KV heads "
+                             f"{list(heads)} at positions {start} .. {start + length - 1}: {e}") from None
+
     def _commit_oldest(self, target: int) -> None:
         """Quantize residual tokens ``[committed, target)`` into segments (see :meth:`_commit`)."""
         q = self.owner.plan.quantizer
@@ -512,9 +523,10 @@ class KVPlanLayer(CacheLayerMixin):
                 offset = start - self.committed
                 x = chunk[:, :, offset : offset + length]
                 if sink:  # attention-sink positions: every head as quantizer.sink_bits says
-                    blocks = [PackedBlock.encode(x, all_heads, q.sink_bits, SINK_AXIS, q.group_size, start,
-                                                 rotation=self.rotation[kind], range_flag=range_flag,
-                                                 fmt=q.sink_format)]
+                    with self._coding(kind, all_heads, start, length):
+                        blocks = [PackedBlock.encode(x, all_heads, q.sink_bits, SINK_AXIS, q.group_size, start,
+                                                     rotation=self.rotation[kind], range_flag=range_flag,
+                                                     fmt=q.sink_format)]
                     new[kind].append((label, start, length, blocks))
                     continue
                 blocks = []
@@ -526,12 +538,13 @@ class KVPlanLayer(CacheLayerMixin):
                     if fb is not None and len(heads) != fb[0].shape[0]:
                         fb = (fb[0][list(heads)], fb[1][list(heads)])
                     fmt = None if bits == STREAMED else q.format(kind, bits)
-                    blocks.append(PackedBlock.encode(xh, heads, bits, q.axis(kind), q.group_size, start, basis,
-                                                     q.key_correction_bits, self.rotation[kind], range_flag, fmt, fb,
-                                                     grid_origin=self.owner.grid_origin))
+                    with self._coding(kind, heads, start, length):
+                        blocks.append(PackedBlock.encode(xh, heads, bits, q.axis(kind), q.group_size, start, basis,
+                                                         q.key_correction_bits, self.rotation[kind], range_flag, fmt,
+                                                         fb, grid_origin=self.owner.grid_origin))
                 new[kind].append((label, start, length, blocks))
         if range_flag is not None and bool(range_flag.item()):  # host sync (CUDA, once per commit; see above)
-            raise ValueError("KV values exceed the fp16 range of the stored scales/zero-points; cannot quantize "
+            raise CacheError("KV values exceed the fp16 range of the stored scales/zero-points; cannot quantize "
                              f"layer {self.layer_idx}, tokens {self.committed} .. {target - 1}")
         first_candidate = max(self.committed, self.owner.sink_length)  # sink positions are stored apart
         if self.heavy is not None and first_candidate < target:

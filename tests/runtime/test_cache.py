@@ -6,6 +6,8 @@ from transformers import DynamicCache
 
 import kvplan
 from kvplan import CacheError, Geometry, KVPlanCache, PlanError, baseline_plan, uniform_plan
+from kvplan.kernels.qtypes import channel_group_size
+from tests.runtime.routes import KERNELS, generate_like_dequantize, with_quantizer
 from tests.tiny_models import tiny_llama
 
 GEOM = Geometry(2, 2, 16, ("full", "full"), "llama")
@@ -84,6 +86,19 @@ def test_nan_and_inf_raise():
     k[0, 0, 0, 0] = float("inf")
     with pytest.raises(CacheError, match="non-finite key"):
         cache.layers[1].update(k, torch.zeros_like(v))
+
+
+def test_values_past_a_formats_scale_range_raise_naming_where():
+    """Values whose group scale an e4m3 scale cannot hold (absmax-e4m3: 448 at most) are refused at their
+    commit with a CacheError naming the layer, K/V, KV heads and positions, not a bare ValueError."""
+    import dataclasses
+
+    base = baseline_plan("int4", GEOM, residual_length=0)
+    cache = KVPlanCache(base.replace(quantizer=dataclasses.replace(base.quantizer, value_scaling="absmax-e4m3")))
+    k, v = _states(32, 0)
+    v[0, 1, 3] = 1e4
+    with pytest.raises(CacheError, match=r"layer 1, values of KV heads \[0, 1\] at positions 0 \.\. 31: .*absmax-e4m3"):
+        cache.layers[1].update(k, v)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the deferred check is the CUDA path (no host sync per step)")
@@ -219,6 +234,21 @@ def test_a_reset_cache_stores_the_next_prompt_as_a_fresh_one():
     labelled.align_to_padding(torch.tensor([[0, 1], [1, 1]]))
     labelled.align_to_padding(torch.ones(2, 2))  # a later unpadded prompt on the empty cache: no padding
     assert labelled.row_padding is None
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+def test_a_head_dim_the_group_does_not_divide(attention):
+    """head_dim 80 (phi-2's) under the built-in int2 plan (group 32; values, the 8-bit sink and residual in
+    per-token groups): each token's 80 channels are coded in groups of 20, the largest divisor of 80 up to
+    32; every route reads what the dequantize route reads, and the cache holds plan.bpv(T)."""
+    assert (channel_group_size(32, 80), channel_group_size(64, 96), channel_group_size(32, 128)) == (20, 48, 32)
+    model = tiny_llama(head_dim=80)
+    plan = with_quantizer(baseline_plan("int2", Geometry.of(model), residual_length=0), residual_bits=8,
+                          sink_length=1, sink_bits=8)
+    out, _ = generate_like_dequantize(model, plan, attention, max_new_tokens=30)
+    T = out.sequences.shape[1] - 1  # the last token is sampled, never written
+    assert out.cache.layers[0].committed == 64
+    assert out.cache.bpv() == plan.bpv(context_len=T, full_precision_bits=32).total
 
 
 @pytest.mark.parametrize("model_type,window", [("mistral", 8), ("qwen2", None)])
