@@ -271,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--head-profile", type=_head_units, default=None, metavar="N|all",
                    help="profile the KV heads of the N most damaging (layer, K/V) units one by one "
                         "(slot granularity; default: all, chosen on the validation split; 0 = off)")
-    s.add_argument("--key-correction-rank", type=int, default=None, metavar="R",
+    s.add_argument("--key-correction-rank", type=_non_negative, default=None, metavar="R",
                    help="let 2-bit key slots also store a rank-R HeadQ-style correction of their error in "
                         "per-head query bases learned on the calibration samples (default: "
                         "kvplan.search.DEFAULT_KEY_CORRECTION_RANK; 0 = off)")
@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plan", default="int4", help="plan YAML file or baseline name (default: int4)")
     g.add_argument("--model", default="smollm2-135m")
     g.add_argument("--prompt", default=None, help="default: a ~800-token Python-docs question")
-    g.add_argument("--max-new-tokens", type=int, default=48)
+    g.add_argument("--max-new-tokens", type=_positive, default=48)
     g.set_defaults(func=_cmd_generate)
     return p
 

@@ -191,3 +191,84 @@ def test_search_refuses_a_stream_window_without_a_profile_before_the_prefill(mon
 def test_search_head_profile_rejects_a_negative_count():
     r = _kvplan("search", "--head-profile", "-1")
     assert r.returncode == 2 and "--head-profile" in r.stderr and "must be at least 0" in r.stderr
+
+
+def _unchanged_after(path, run):
+    """Run ``run()`` and assert the file at ``path`` holds the same bytes afterwards; returns what it returned."""
+    before = path.read_bytes()
+    out = run()
+    assert path.read_bytes() == before
+    return out
+
+
+@pytest.mark.parametrize("case", ["explain --html plan", "explain --html trials", "eval --out plan",
+                                  "search --out storage", "search --out task", "search --out storage, 2 budgets"])
+def test_no_command_writes_over_its_own_input(monkeypatch, tmp_path, capsys, case):
+    """A file a command would write that is one of its inputs is refused before any work (one line, exit 2),
+    and the input is left as it was."""
+    import kvplan.evaluation.runs
+    import kvplan.search.scorers
+    from kvplan.cli import main
+
+    def no_work(*a, **k):
+        raise AssertionError("the work started")
+
+    monkeypatch.setattr(kvplan.search.scorers, "task_scorers", no_work)
+    monkeypatch.setattr(kvplan.evaluation.runs, "_prepared_task", no_work)
+    plan = tmp_path / "p.yaml"
+    baseline_plan("int4", Geometry(30, 3, 64, ("full",) * 30, "llama")).to_yaml(plan)
+    trials = tmp_path / "p.trials.csv"
+    trials.write_text("number,kl\n")
+    task = tmp_path / "t.jsonl"
+    task.write_text('{"history": "x", "question": "q", "choices": ["a", "b"], "answer": 0}\n')
+    journal = tmp_path / "j.log"
+    search = ["search", "--quiet", "--trials", "1", "--no-profile"]
+    argv, target, what = {
+        "explain --html plan": (["explain", str(plan), "--no-importance", "--html", str(plan)], plan, "plan"),
+        "explain --html trials": (["explain", str(plan), "--no-importance", "--html", str(trials)], trials,
+                                  "trial history"),
+        "eval --out plan": (["eval", str(plan), "--samples", "1", "--quiet", "--out", str(plan)], plan, "plan"),
+        "search --out storage": (search + ["--storage", str(journal), "--study-name", "s", "--out", str(journal)],
+                                 journal, "storage"),
+        "search --out task": (search + ["--budget", "3", "--task", str(task), "--out", str(task)], task, "task file"),
+        "search --out storage, 2 budgets": (search + ["--budget", "3", "2.5", "--storage", str(tmp_path / "p-3bpv.log"),
+                                                      "--study-name", "s", "--out", str(tmp_path / "p.log")],
+                                            tmp_path / "p-3bpv.log", "storage"),
+    }[case]
+    if not target.exists():  # the journal: made when the storage opens
+        target.write_text("")
+    rc = _unchanged_after(target, lambda: main(argv))
+    err = capsys.readouterr().err
+    assert rc == 2 and f"is the {what} this run reads" in err and "would overwrite" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_argument_errors_come_before_the_work(monkeypatch, tmp_path, capsys):
+    """sweep's --out-dir, eval's plan file and peer bits, search's journal and generate's token count are
+    checked before any model loads: one line, exit 2, no traceback."""
+    import kvplan.evaluation.runs
+    from kvplan.cli import main
+
+    def no_work(*a, **k):
+        raise AssertionError("the work started")
+
+    monkeypatch.setattr(kvplan.evaluation.runs, "_prepared_task", no_work)
+    a_file = tmp_path / "results"
+    a_file.write_text("not a folder")
+    journal = tmp_path / "bad.log"
+    journal.write_text('{"op_code": 0, "worker_id": "w", "study_name": "s"\n')  # a line cut off mid-object
+    for argv, fragment in [
+        (["sweep", "--samples", "1", "--quiet", "--out-dir", str(a_file)], "exists and is not a directory"),
+        (["eval", str(tmp_path / "none.yaml"), "--samples", "1", "--quiet"], "none.yaml"),
+        (["eval", "quanto-int3", "--samples", "1", "--quiet"], "stores [2, 4] bits, not 3"),
+        (["search", "--quiet", "--storage", str(journal), "--study-name", "s", "--out", str(tmp_path / "p.yaml")],
+         "line 1 is not an Optuna journal record"),
+        (["search", "--budget", "-1"], "budget must be a positive number"),
+    ]:
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and fragment in err and "Traceback" not in err, (argv, err)
+    for option in (["generate", "--max-new-tokens", "0"], ["search", "--key-correction-rank", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            main(option)
+        assert e.value.code == 2 and "must be at least" in capsys.readouterr().err

@@ -15,11 +15,14 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..errors import PlanError
 from ..models.geometry import Geometry
 from ..plans import Plan, baseline_plan, headguard_plan, uniform_plan
 from .harness import (PreparedSample, ProtocolError, aggregate, evaluate, score_cache)
 
-PEER_BACKENDS = ("quanto", "hqq")
+# the bit widths each backend of transformers' QuantizedCache accepts
+PEER_BITS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
+PEER_BACKENDS = tuple(PEER_BITS)
 
 
 # ----------------------------------------------------------------------------- named plans
@@ -29,11 +32,16 @@ def named_plan(name: str, model, modalities: Sequence[str] = ("text",), **kwargs
 
 
 def parse_peer(name: str) -> tuple[str, int] | None:
-    """``"quanto-int2"`` / ``"hqq-int4"`` -> ``(backend, bits)``; ``None`` if not a peer name."""
+    """``"quanto-int2"`` / ``"hqq-int4"`` -> ``(backend, bits)``; ``None`` if not a peer name; a
+    :class:`PlanError` for bits the backend does not offer."""
     for b in PEER_BACKENDS:
         for sep in ("-int", ":int", "-"):
             if name.startswith(b + sep) and name[len(b + sep):].isdigit():
-                return b, int(name[len(b + sep):])
+                bits = int(name[len(b + sep):])
+                if bits not in PEER_BITS[b]:
+                    raise PlanError("plan", f"transformers' {b} QuantizedCache stores {list(PEER_BITS[b])} bits, "
+                                    f"not {bits}", name)
+                return b, bits
     return None
 
 

@@ -10,7 +10,8 @@ import time
 from typing import Any
 
 from ..models.geometry import Geometry
-from ..plans import BASELINES
+from ..plans import BASELINES, Plan
+from ..plans._files import check_not_inputs, check_writable, existing_path
 from .baselines import evaluate_peer, head_sensitivity, headguard_from_sensitivity, named_plan, parse_peer
 from .harness import evaluate, prepare_samples
 from .sweep import SWEEP_BITS, format_layers, format_ratios, format_table, sweep_prepared, write_sweep
@@ -99,9 +100,23 @@ def _prepared_task(model, dtype, task, split, samples, history_tokens, eval_toke
     return m, proc, ss, prepared, _modalities(ss), kw
 
 
+def _check_eval_arguments(plan_or_baseline, model, task, out) -> None:
+    """Fail before the model loads: a plan file that does not parse, a peer's bit width its backend
+    lacks, or an ``out`` that is one of the inputs or cannot be written."""
+    if isinstance(plan_or_baseline, (str, os.PathLike)):
+        name = os.fspath(plan_or_baseline)
+        if parse_peer(name) is None and name != "headguard" and name.partition("-g")[0] not in BASELINES:
+            Plan.from_yaml(name)  # PlanError naming the file and key
+    if out is not None:
+        check_writable(out, "--out", is_dir=False)
+        check_not_inputs({"--out": out}, {"plan": existing_path(plan_or_baseline), "task file": existing_path(task),
+                                          "model": existing_path(model)})
+
+
 def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_tokens, eval_tokens, dtype,
               progress, verbose) -> dict:
     t0 = time.perf_counter()
+    _check_eval_arguments(plan_or_baseline, model, task, out)
     m, proc, ss, prepared, mods, kw = _prepared_task(model, dtype, task, split, samples, history_tokens,
                                                      eval_tokens, seed, progress)
     peer = parse_peer(plan_or_baseline) if isinstance(plan_or_baseline, str) else None
@@ -149,6 +164,8 @@ def run_sweep(model="smollm2-135m", samples: int = 16, out_dir: str | os.PathLik
 def _run_sweep(model, samples, out_dir, task, split, bits, seed, history_tokens, eval_tokens, group_size, dtype,
                progress, verbose) -> dict:
     t0 = time.perf_counter()
+    if out_dir is not None:  # before the sweep's work, not after it
+        check_writable(out_dir, "--out-dir", is_dir=True)
     m, proc, ss, prepared, mods, _ = _prepared_task(model, dtype, task, split, samples, history_tokens,
                                                     eval_tokens, seed, progress)
     res = sweep_prepared(m, prepared, mods, bits=bits, seed=seed, group_size=group_size, progress=progress)

@@ -7,23 +7,13 @@ import os
 from typing import Sequence
 
 from ..plans import atomic_write_text
+from ..plans._files import check_not_inputs, check_writable, sidecar_paths
 from ._figures import file_mode, render_figures, write_figures
 from ._html import render_html
 from ._report import ExplainError, report
 from ._text import render_text
 
 FORMATS = ("text", "json")
-
-
-def _check_writable(path: str, what: str, is_dir: bool) -> None:
-    """Raise :class:`ExplainError` now, before the slow part, if ``path`` cannot be written."""
-    if os.path.exists(path) and os.path.isdir(path) != is_dir:
-        raise ExplainError(f"{what} {path}: exists and is {'not ' if is_dir else ''}a directory")
-    parent = path if is_dir and os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise ExplainError(f"{what} {path}: cannot write into {parent}")
 
 
 def explain(plan_path, format: str = "text", out_dir=None, importance: bool = True, seed: int = 0, *,
@@ -41,10 +31,13 @@ def explain(plan_path, format: str = "text", out_dir=None, importance: bool = Tr
     plan_path = os.fspath(plan_path)
     if out_dir is not None:
         out_dir = os.fspath(out_dir)
-        _check_writable(out_dir, "--figures", is_dir=True)
+        check_writable(out_dir, "--figures", is_dir=True, error=ExplainError)
     if html is not None:
         html = os.fspath(html)
-        _check_writable(html, "--html", is_dir=False)
+        check_writable(html, "--html", is_dir=False, error=ExplainError)
+        side = sidecar_paths(plan_path)
+        check_not_inputs({"--html": html}, {"plan": plan_path, "trial history": side["trials"],
+                                            "search record": side["search"]}, error=ExplainError)
     rep = report(plan_path, importance=importance, seed=seed, context_lengths=context_lengths,
                  batch_sizes=batch_sizes)
     if out_dir is not None or html is not None:

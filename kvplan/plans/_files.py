@@ -1,11 +1,13 @@
-"""Plan file I/O: bounded, decoded reads that fail as :class:`PlanError`, and atomic writes."""
+"""Plan file I/O: bounded, decoded reads that fail as :class:`PlanError`, atomic writes, and the checks
+every command runs on its output paths before any work."""
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Mapping
 
-from ..errors import PlanError
+from ..errors import KVPlanError, PlanError
 
 MAX_PLAN_BYTES = 16 * 2 ** 20  # larger files are refused before they are parsed
 
@@ -16,6 +18,41 @@ def sidecar_paths(out) -> dict[str, str]:
     out = os.fspath(out)
     stem = out[: -len(".yaml")] if out.endswith(".yaml") else out[: -len(".yml")] if out.endswith(".yml") else out
     return {"plan": out, "trials": stem + ".trials.csv", "search": stem + ".search.json"}
+
+
+def check_writable(path, what: str, is_dir: bool, error: type[KVPlanError] = KVPlanError) -> None:
+    """Raise ``error`` now, before the slow part, if ``path`` (a file, or a folder made as needed when
+    ``is_dir``) cannot be written; ``what`` names it in the message (an option, e.g. ``--html``)."""
+    path = os.fspath(path)
+    if os.path.exists(path) and os.path.isdir(path) != is_dir:
+        raise error(f"{what} {path}: exists and is {'not ' if is_dir else ''}a directory")
+    parent = path if is_dir and os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise error(f"{what} {path}: cannot write into {parent}")
+
+
+def existing_path(value) -> str | None:
+    """``value`` as a path if it names an existing file or folder (a model or task given by path), else
+    ``None`` (a name such as ``smollm2-135m`` or ``default``, or an object)."""
+    return os.fspath(value) if isinstance(value, (str, os.PathLike)) and os.path.exists(value) else None
+
+
+def check_not_inputs(outputs: Mapping[str, object], inputs: Mapping[str, object],
+                     error: type[KVPlanError] = KVPlanError) -> None:
+    """Raise ``error`` before any work when a file to write is one of the run's inputs, which writing
+    it would destroy. ``outputs`` / ``inputs``: ``{what it is: path}``; entries that are not paths
+    (``None``, a model or task name, an object) are skipped."""
+    def paths(named: Mapping[str, object]):
+        return [(what, os.fspath(p)) for what, p in named.items() if isinstance(p, (str, os.PathLike))]
+
+    read = {os.path.realpath(p): (what, p) for what, p in paths(inputs)}
+    for what, p in paths(outputs):
+        hit = read.get(os.path.realpath(p))
+        if hit is not None:
+            raise error(f"{what} {p}: is the {hit[0]} this run reads ({hit[1]}); writing it would overwrite "
+                        "that input, choose another path")
 
 
 def _too_large(size: int, source: str | None) -> PlanError:

@@ -9,8 +9,8 @@ import importlib
 # imported on first use, so that e.g. ``kvplan.search.space`` (the CLI's parser, ``kvplan validate``)
 # does not pull in the evaluation harness, transformers and scikit-learn
 _LAZY = {
-    **dict.fromkeys(("Scorer", "SearchResult", "check_budgets", "pareto_front", "search", "sidecar_paths",
-                     "write_history"), "._search"),
+    **dict.fromkeys(("Scorer", "SearchResult", "check_budgets", "output_paths", "pareto_front", "search",
+                     "sidecar_paths", "write_history"), "._search"),
     **dict.fromkeys(("BpvModel", "BudgetError", "group_damage", "knapsack_seed", "parse_budget",
                      "quantization_damage", "repair"), ".budget"),
     **dict.fromkeys(("profile_plans", "profile_units", "run_profile", "slot_sensitivity"), ".sensitivity"),
@@ -37,6 +37,7 @@ __all__ = [
     "group_damage",
     "knapsack_seed",
     "make_storage",
+    "output_paths",
     "pareto_front",
     "parse_budget",
     "profile_plans",

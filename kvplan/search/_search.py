@@ -94,11 +94,12 @@ from .space import (DEFAULT_BITS, DEFAULT_GROUP_SIZES, DEFAULT_HEAVY_LENGTH, DEF
                     DEFAULT_RESIDUAL_BITS, DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS, DEFAULT_SINK_LENGTHS,
                     DEFAULT_TRIALS, SearchSpace)
 from ..errors import describe
-from ..plans._files import sidecar_paths, write_file_set  # noqa: F401 -- sidecar_paths is public here
+from ..plans._files import (check_not_inputs, existing_path, sidecar_paths,  # noqa: F401 -- sidecar_paths is public
+                            write_file_set)
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
                        run_once, tell)
 from .storage import (DEFAULT_GRACE_S, DEFAULT_HEARTBEAT_S, Heartbeat, describe_storage, fail_orphaned_trials,
-                      is_persistent, make_storage, owner_attrs, trial_owner)
+                      is_persistent, make_storage, owner_attrs, storage_file, trial_owner)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -610,6 +611,17 @@ HISTORY_COLUMNS = ["number", "source", "kl", "bpv", "group_size", "key_axis", "v
                    "bits"]
 
 
+def output_paths(out, budgets: Sequence[float]) -> dict[str, str]:
+    """The files a search with ``out`` writes: ``plan@<b>`` for each budget ``b`` (``out`` itself, or
+    ``<stem>-<b>bpv.yaml`` each when there are several budgets), ``trials`` and ``search`` (``out``'s
+    sidecars, :func:`sidecar_paths`)."""
+    o = os.fspath(out)
+    stem, ext = os.path.splitext(o)
+    plans = {f"plan@{b:g}": o if len(budgets) == 1 else f"{stem}-{b:g}bpv{ext or '.yaml'}" for b in budgets}
+    side = sidecar_paths(o)
+    return {**plans, "trials": side["trials"], "search": side["search"]}
+
+
 def history_text(space: SearchSpace, trials, run_id: str = "") -> str:
     """The ``.trials.csv`` text: one row per trial (who measured it: ``host``, ``pid``; the
     export's ``run_id`` on every row, so a plan and its sidecars can be matched)."""
@@ -748,6 +760,9 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     t_start = time.perf_counter()
     budgets = [parse_budget(b) for b in (budget if isinstance(budget, (list, tuple)) else [budget])]
     multi = pareto or len(budgets) > 1
+    if out is not None:  # the plan files and their sidecars must not land on what the search reads
+        check_not_inputs(output_paths(out, budgets), {"storage": storage_file(storage), "task file": existing_path(task),
+                                                      "model": existing_path(model)})
     if heldout_scorer is not None:
         if test_scorer is not None:
             raise KVPlanError("pass test_scorer or its old name heldout_scorer, not both")
@@ -1146,14 +1161,10 @@ def _finalize(*, study, space, s, budgets, multi, granularity, seed, study_name,
     paths: dict[str, str] = {}
     if out is not None:
         files: dict[str, str] = {}
+        written = output_paths(out, list(plans))
         for b, plan in plans.items():
-            o = os.fspath(out)
-            if len(plans) > 1:
-                stem, ext = os.path.splitext(o)
-                o = f"{stem}-{b:g}bpv{ext or '.yaml'}"
-            p = sidecar_paths(o)
-            files[p["plan"]] = plan.to_yaml()
-            paths[f"plan@{b:g}"] = p["plan"]
+            files[written[f"plan@{b:g}"]] = plan.to_yaml()
+            paths[f"plan@{b:g}"] = written[f"plan@{b:g}"]
         p = sidecar_paths(out)
         files[p["trials"]] = history_text(space, done, run_id)
         sidecar = {"run_id": run_id, "space": space.describe(), "budgets": budgets, "multi_objective": multi,

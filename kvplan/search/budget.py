@@ -29,7 +29,7 @@ from ..plans.accounting import (HEAVY_META_BYTES, _clip_runs, correction_bytes, 
 from .space import Q_FIELDS, SearchSpace
 
 EPS = 1e-9
-_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(bpv|bits?)?\s*$", re.IGNORECASE)
+_BUDGET_RE = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(bpv|bits?)?\s*$", re.IGNORECASE)
 
 
 class BudgetError(KVPlanError, ValueError):

@@ -96,7 +96,7 @@ def basis_of_moments(moments: np.ndarray, rank: int) -> np.ndarray:
     """:func:`query_basis` from query second moments ``[L, H_kv, D, D]``."""
     D = moments.shape[-1]
     if not 1 <= rank <= D:
-        raise KVPlanError(f"key correction rank {rank} must be in [1, head_dim={D}]")
+        raise KVPlanError(f"key correction rank {rank} must be in [1, head_dim={D}] (0: no correction)")
     _, vecs = np.linalg.eigh(moments)  # ascending eigenvalues
     top = vecs[..., ::-1][..., :rank]  # [L, H, D, r]
     idx = np.abs(top).argmax(axis=-2)[..., None, :]  # [L, H, 1, r]

@@ -126,7 +126,9 @@ def make_storage(storage, *, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_
         folder = os.path.dirname(os.path.abspath(s))
         try:
             os.makedirs(folder, exist_ok=True)
-            return BeatingJournalStorage(JournalFileBackend(s), heartbeat_interval, grace_period)
+            backend = JournalFileBackend(s)
+            _check_journal(s)
+            return BeatingJournalStorage(backend, heartbeat_interval, grace_period)
         except OSError as e:
             raise StorageError(f"--storage {s}: cannot open the journal file: {e.strerror or e}") from None
     raise StorageError(f"--storage {one_line(s, 200)}: use an RDB URL (sqlite:///study.db, postgresql://...) or a "
@@ -155,6 +157,50 @@ BEAT = "kvplan.beat"
 
 def _journal_beat(storage) -> bool:
     return isinstance(storage, BeatingJournalStorage) and storage.kvplan_heartbeat_interval is not None
+
+
+def _check_journal(path: str) -> None:
+    """Refuse a journal file with a line that is not a whole JSON record, before any work: Optuna skips
+    a cut-off last line when it reads, then appends after it, and every later read of the study fails.
+    Read under the lock Optuna's writers take, so a line being written is never seen half done."""
+    import json
+
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    lock = JournalFileSymlinkLock(path)
+    lock.acquire()
+    try:
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, start=1):
+                try:
+                    if not line.endswith(b"\n"):
+                        raise ValueError("the line is cut off")
+                    json.loads(line)
+                except ValueError as e:
+                    raise StorageError(f"--storage {path}: line {number} is not an Optuna journal record "
+                                       f"({one_line(str(e), 120)}); if a killed writer cut it off, remove that "
+                                       "line to resume the study") from None
+    finally:
+        lock.release()
+
+
+def storage_file(storage) -> str | None:
+    """The local file a storage (a ``--storage`` value, or what :func:`make_storage` made of it) keeps
+    its study in: a journal file or a ``sqlite:///`` database; ``None`` for other storages."""
+    if storage is None:
+        return None
+    if isinstance(storage, (str, os.PathLike)):
+        s = os.fspath(storage)
+    else:
+        path = getattr(getattr(storage, "_backend", None), "_file_path", None)
+        if path:
+            return str(path)
+        s = getattr(storage, "url", None)
+        if not isinstance(s, str):
+            return None
+    if s.startswith("sqlite:///"):
+        return s[len("sqlite:///"):] or None
+    return None if "://" in s else s
 
 
 def describe_storage(storage) -> str | None:
