@@ -6,6 +6,7 @@ Plans name bits as integers (``2, 3, 4, 8``); ``16`` means "keep full precision"
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 FULL_PRECISION_BITS = 16
@@ -59,6 +60,7 @@ def packed_row_bytes(n_codes: int, bits: int) -> int:
     return units * qt.unit_bytes
 
 
+@functools.lru_cache(maxsize=None)
 def channel_group_size(group_size: int, head_dim: int) -> int:
     """Group length along D for per-token groups: the largest divisor of ``head_dim`` that is at most
     ``group_size``, so that groups tile each token's channels and never span two tokens (head_dim 80,
