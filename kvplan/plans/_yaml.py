@@ -11,7 +11,10 @@ while it composes the document and before anything is built from it:
 - nesting deeper than :data:`MAX_DEPTH` levels, aliases included (no ``RecursionError``);
 - integer literals longer than :data:`MAX_INT_CHARS` characters (Python's int digit limit,
   and numbers like ``10**400`` that overflow every float check);
-- scalars whose explicit tag cannot read them (``!!int abc``, ``!!timestamp 2001-02-30``).
+- scalars whose explicit tag cannot read them (``!!int abc``, ``!!timestamp 2001-02-30``);
+- a key written twice in one mapping (PyYAML keeps the last silently; a hand edit that adds a
+  second ``bits:`` or ``group_size:`` would otherwise drop the first without a word). Keys a
+  ``<<`` merge brings in may still be overridden, as YAML intends.
 
 All of these, and every other YAML error, become ``PlanError("<yaml>", ...)`` naming the
 line and column.
@@ -32,6 +35,18 @@ from ._checks import MAX_DEPTH
 
 MAX_NODES = 2 ** 16  # a flat (one rule per slot) plan of a 126-layer, 8-KV-head, 2-modality model has ~56k
 MAX_INT_CHARS = 40  # 2**128 has 39 digits
+
+
+def _refuse_repeated_keys(node: yaml.MappingNode) -> None:
+    """A scalar key written twice in one mapping, as composed (before any ``<<`` merge is applied)."""
+    first = {}
+    for key, _ in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+            continue
+        seen = first.setdefault((key.tag, key.value), key.start_mark)
+        if seen is not key.start_mark:
+            raise ComposerError(None, None, f"key {key.value[:40]!r} appears twice in one mapping (first at line "
+                                f"{seen.line + 1})", key.start_mark)
 
 
 class _Bounded:
@@ -69,6 +84,8 @@ class _Bounded:
         before = self._n_nodes
         self._open.append(0)
         node = super().compose_node(parent, index)
+        if isinstance(node, yaml.MappingNode):
+            _refuse_repeated_keys(node)
         height = self._open.pop() + 1
         self._open[-1] = max(self._open[-1], height)
         self._count(1, event.start_mark)
