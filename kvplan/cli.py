@@ -64,6 +64,10 @@ def _cmd_search(args) -> int:
     if args.recent_lengths is not None:
         extra["recent_lengths"] = tuple(args.recent_lengths)
     if args.head_profile is not None:
+        if args.granularity != "slot" or args.no_profile:
+            raise KVPlanError(f"--head-profile {args.head_profile}: the profile measures KV heads one by one only in "
+                              "a slot-granularity search with a profile (got --granularity "
+                              f"{args.granularity}{' --no-profile' if args.no_profile else ''})")
         extra["profile_head_units"] = None if args.head_profile == "all" else args.head_profile
     if args.no_profile:
         extra["profile"] = False
@@ -374,6 +378,10 @@ def main(argv=None) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
+        if getattr(args, "quiet", False):  # transformers' own bars too ("Loading weights")
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.disable_progress_bar()
         return int(args.func(args) or 0)
     except KVPlanError as e:
         print(f"kvplan: error: {e}", file=sys.stderr)

@@ -272,3 +272,34 @@ def test_argument_errors_come_before_the_work(monkeypatch, tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main(option)
         assert e.value.code == 2 and "must be at least" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--granularity", "layer"], ["--no-profile"]])
+def test_search_head_profile_where_no_head_is_profiled_is_refused(capsys, flags):
+    """--head-profile asks the profile to measure KV heads; a layer-granularity search or one without a
+    profile measures none, so the option would be ignored: refused in one line instead."""
+    from kvplan.cli import main
+
+    assert main(["search", "--quiet", "--head-profile", "5"] + flags) == 2
+    err = capsys.readouterr().err
+    assert "--head-profile 5: the profile measures KV heads one by one only" in err and flags[-1] in err
+
+
+def test_quiet_turns_off_transformers_progress_bars(monkeypatch, tmp_path):
+    """--quiet also silences transformers' own bars (its "Loading weights" bar when a model loads)."""
+    import types
+
+    import kvplan.search
+    from kvplan.cli import main
+    from transformers.utils import logging as transformers_logging
+
+    monkeypatch.setattr(kvplan.search, "search", lambda **k: types.SimpleNamespace(
+        finalized_by=None, plans={}, paths={}, n_real_evals=0, n_profile_evals=0, elapsed_s=0.0))
+    transformers_logging.enable_progress_bar()
+    try:
+        assert main(["search", "--out", str(tmp_path / "p.yaml")]) == 0
+        assert transformers_logging.is_progress_bar_enabled()
+        assert main(["search", "--quiet", "--out", str(tmp_path / "p.yaml")]) == 0
+        assert not transformers_logging.is_progress_bar_enabled()
+    finally:
+        transformers_logging.enable_progress_bar()
