@@ -761,8 +761,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     budgets = [parse_budget(b) for b in (budget if isinstance(budget, (list, tuple)) else [budget])]
     multi = pareto or len(budgets) > 1
     if out is not None:  # the plan files and their sidecars must not land on what the search reads
-        check_not_inputs(output_paths(out, budgets), {"storage": storage_file(storage), "task file": existing_path(task),
-                                                      "model": existing_path(model)})
+        check_not_inputs(output_paths(out, budgets), {"storage": storage_file(storage),
+                                                      "task file": existing_path(task), "model": existing_path(model)})
     if heldout_scorer is not None:
         if test_scorer is not None:
             raise KVPlanError("pass test_scorer or its old name heldout_scorer, not both")
