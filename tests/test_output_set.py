@@ -80,3 +80,26 @@ def test_a_failed_write_leaves_the_old_set_and_no_temporary_file(tmp_path):
                         tmp_path / "x.csv": "rows\n"})
     assert (tmp_path / "x.yaml").read_text() == "old x\n" and (tmp_path / "x.json").read_text() == "old json\n"
     assert not [n for n in os.listdir(tmp_path) if n.endswith(TMP_SUFFIX)]
+
+
+def test_each_budgets_plan_reads_the_shared_history_and_the_study_resumes_in_any_budget_order(tmp_path):
+    """A search over several budgets writes one plan per budget beside one trials.csv / search.json:
+    explain finds that history for each plan (its Pareto front and importance), and the same study
+    resumed with the budgets listed in another order is the same study, not 'a different setup'."""
+    from kvplan.explain import report
+
+    storage = str(tmp_path / "study.log")
+    fast = {**FAST, "n_trials": 6}
+    del fast["budget"]
+    first = search(scorer=SyntheticScorer(), out=str(tmp_path / "plan.yaml"), budget=["4.0", "3.0"],
+                   storage=storage, study_name="s", **fast)
+    assert sorted(os.listdir(tmp_path)) == ["plan-3bpv.yaml", "plan-4bpv.yaml", "plan.search.json",
+                                            "plan.trials.csv", "study.log"]
+    for b in ("3", "4"):
+        rep = report(str(tmp_path / f"plan-{b}bpv.yaml"), importance=False)
+        assert not any("trial history" in m for m in rep["missing"]), rep["missing"]
+        assert rep["history"]["trials_csv"] == str(tmp_path / "plan.trials.csv")
+        assert not rep["warnings"], rep["warnings"]  # a search without a profile records profile: null
+    again = search(scorer=SyntheticScorer(), out=str(tmp_path / "again.yaml"), budget=["3.0", "4.0"],
+                   storage=storage, study_name="s", **fast)
+    assert sorted(again.plans) == sorted(first.plans) == [3.0, 4.0]

@@ -7,7 +7,7 @@ import os
 from typing import Sequence
 
 from ..plans import atomic_write_text
-from ..plans._files import check_not_inputs, check_writable, sidecar_paths
+from ..plans._files import check_not_inputs, check_writable, plan_sidecar_paths
 from ._figures import file_mode, render_figures, write_figures
 from ._html import render_html
 from ._report import ExplainError, report
@@ -35,7 +35,7 @@ def explain(plan_path, format: str = "text", out_dir=None, importance: bool = Tr
     if html is not None:
         html = os.fspath(html)
         check_writable(html, "--html", is_dir=False, error=ExplainError)
-        side = sidecar_paths(plan_path)
+        side = plan_sidecar_paths(plan_path)
         check_not_inputs({"--html": html}, {"plan": plan_path, "trial history": side["trials"],
                                             "search record": side["search"]}, error=ExplainError)
     rep = report(plan_path, importance=importance, seed=seed, context_lengths=context_lengths,

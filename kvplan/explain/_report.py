@@ -31,9 +31,9 @@ class ExplainError(KVPlanError):
 
 
 def _sidecars(plan_path: str) -> dict[str, str]:
-    from ..plans._files import sidecar_paths
+    from ..plans._files import plan_sidecar_paths
 
-    return sidecar_paths(plan_path)
+    return plan_sidecar_paths(plan_path)
 
 
 def check_sizes(context_lengths: Sequence[int], batch_sizes: Sequence[int]) -> None:

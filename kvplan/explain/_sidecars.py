@@ -241,7 +241,7 @@ def read_search(path: str, warnings: list[str]) -> dict[str, Any] | None:
         return None
     out = {}
     for k, (ok, what) in SEARCH_KEYS.items():
-        if k not in d:
+        if k not in d or (d[k] is None and not ok(None)):  # null: none recorded (a search without a profile)
             continue
         if ok(d[k]):
             out[k] = d[k]

@@ -4,6 +4,7 @@ every command runs on its output paths before any work."""
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Mapping
 
@@ -18,6 +19,29 @@ def sidecar_paths(out) -> dict[str, str]:
     out = os.fspath(out)
     stem = out[: -len(".yaml")] if out.endswith(".yaml") else out[: -len(".yml")] if out.endswith(".yml") else out
     return {"plan": out, "trials": stem + ".trials.csv", "search": stem + ".search.json"}
+
+
+def budget_plan_path(out, budget: float) -> str:
+    """The plan file of one budget of a search over several, writing ``out``: ``<stem>-<b>bpv<ext>``
+    (``.yaml`` when ``out`` has no extension); the search's sidecars stay ``out``'s own."""
+    stem, ext = os.path.splitext(os.fspath(out))
+    return f"{stem}-{budget:g}bpv{ext or '.yaml'}"
+
+
+_BUDGET_PLAN = re.compile(r"^(?P<stem>.+)-[0-9][0-9.e+-]*bpv(?P<ext>\.[^./\\]*)$")
+
+
+def plan_sidecar_paths(plan_path) -> dict[str, str]:
+    """The sidecars of the search that wrote ``plan_path``: its own (:func:`sidecar_paths`), or, for
+    one budget's plan of a search over several (:func:`budget_plan_path`) that has none of its own,
+    the ones that search wrote beside them (``<stem>.trials.csv`` and ``<stem>.search.json``, shared by
+    its plans; which run they belong to is checked by their run id)."""
+    path = os.fspath(plan_path)
+    own = sidecar_paths(path)
+    m = _BUDGET_PLAN.match(path)
+    if m is None or os.path.exists(own["trials"]) or os.path.exists(own["search"]):
+        return own
+    return {**sidecar_paths(m["stem"] + m["ext"]), "plan": path}
 
 
 def check_writable(path, what: str, is_dir: bool, error: type[KVPlanError] = KVPlanError) -> None:

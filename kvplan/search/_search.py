@@ -94,8 +94,8 @@ from .space import (DEFAULT_BITS, DEFAULT_GROUP_SIZES, DEFAULT_HEAVY_LENGTH, DEF
                     DEFAULT_RESIDUAL_BITS, DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS, DEFAULT_SINK_LENGTHS,
                     DEFAULT_TRIALS, SearchSpace)
 from ..errors import describe
-from ..plans._files import (check_not_inputs, existing_path, sidecar_paths,  # noqa: F401 -- sidecar_paths is public
-                            write_file_set)
+from ..plans._files import (budget_plan_path, check_not_inputs, existing_path,  # noqa: F401 -- sidecar_paths is public
+                            sidecar_paths, write_file_set)
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
                        run_once, tell)
 from .storage import (DEFAULT_GRACE_S, DEFAULT_HEARTBEAT_S, Heartbeat, describe_storage, fail_orphaned_trials,
@@ -616,8 +616,7 @@ def output_paths(out, budgets: Sequence[float]) -> dict[str, str]:
     ``<stem>-<b>bpv.yaml`` each when there are several budgets), ``trials`` and ``search`` (``out``'s
     sidecars, :func:`sidecar_paths`)."""
     o = os.fspath(out)
-    stem, ext = os.path.splitext(o)
-    plans = {f"plan@{b:g}": o if len(budgets) == 1 else f"{stem}-{b:g}bpv{ext or '.yaml'}" for b in budgets}
+    plans = {f"plan@{b:g}": o if len(budgets) == 1 else budget_plan_path(o, b) for b in budgets}
     side = sidecar_paths(o)
     return {**plans, "trials": side["trials"], "search": side["search"]}
 
@@ -758,7 +757,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     Returns a :class:`SearchResult`; ``result.plan`` is the exported plan.
     """
     t_start = time.perf_counter()
-    budgets = [parse_budget(b) for b in (budget if isinstance(budget, (list, tuple)) else [budget])]
+    # in increasing order, whatever order they were given in: a study's name and setup do not depend on it
+    budgets = sorted(parse_budget(b) for b in (budget if isinstance(budget, (list, tuple)) else [budget]))
     multi = pareto or len(budgets) > 1
     if out is not None:  # the plan files and their sidecars must not land on what the search reads
         check_not_inputs(output_paths(out, budgets), {"storage": storage_file(storage),
@@ -1049,6 +1049,8 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
     desc = {"space": space.describe(), "budgets": budgets,
             "reference": {"context_len": reference.context_len, "modality_mix": dict(reference.modality_mix)}}
     old = attrs.get("kvplan.setup")
+    if old is not None and old.get("budgets"):  # studies set up before the budgets were sorted
+        old = {**old, "budgets": sorted(old["budgets"])}
     if old is not None and old != _plain(desc):
         raise KVPlanError(f"--study-name {study_name} in --storage {label} was created with a different search setup; "
                           "use another --study-name or the same granularity, bits, budget and reference")
