@@ -1093,7 +1093,9 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
         plans = {float(b): Plan.from_yaml(text) for b, text in final["plans"].items()}
         paths, finalized_by = {}, final.get("by")
         curve, front = _curve_and_front(sorted(s.complete(), key=lambda t: t.number))
-        say(f"study {study_name} was finalized by worker {describe(finalized_by)}; plan written there: "
+        by = finalized_by if isinstance(finalized_by, dict) else {}
+        say(f"study {study_name} was finalized by worker {describe(by.get('worker'))} (host "
+            f"{describe(by.get('host'))}, pid {describe(by.get('pid'))}); plan written there: "
             f"{describe(final.get('paths', {}).get('plan'))}")
     return SearchResult(plan=plans[min(plans)], plans=plans, study=study, space=space, budgets=budgets, profile=prof,
                         curve=curve, pareto=front, n_real_evals=s.n_evals, n_profile_evals=n_profile_evals,
