@@ -201,10 +201,8 @@ class KVPlanLayer(CacheLayerMixin):
             self._raise_nonfinite(key_states, value_states, "new token")
         fused = self.owner.attention_kernel is not None and t_new <= MAX_FUSED_QUERY
         # decided on the state get_mask_sizes saw (the pending commit below frees nothing either)
-        packed = fused and self.committed > 0
-        # a decode step, on every route: what the fused kernels attend for; its commits are not scored for
-        # the heavy-hitter copies (a prompt's are)
-        decode_step = t_new <= MAX_FUSED_QUERY and self.committed > 0
+        decode_step = self._decode_step(t_new)
+        packed = fused and decode_step
         if fused:
             self._commit(free=False)  # a commit left pending by the previous step's attention call, if any
         start = self.get_seq_length()
@@ -306,10 +304,15 @@ class KVPlanLayer(CacheLayerMixin):
         ``DynamicSlidingWindowLayer`` returns (the newest ``window - 1`` past positions), so an
         all-16-bit plan attends over bit-identical tensors. Plus the new tokens."""
         T = self.get_seq_length()
-        packed = (self.owner.attention_kernel is not None and query_length <= MAX_FUSED_QUERY
-                  and self.committed > 0)
+        packed = self.owner.attention_kernel is not None and self._decode_step(query_length)
         first = self.dropped if packed else self._visible_start(T)
         return T - first + query_length, first
+
+    def _decode_step(self, t_new: int) -> bool:
+        """Whether a forward of ``t_new`` tokens is a decode step, on every route: what the fused kernels
+        attend for (at most ``MAX_FUSED_QUERY`` tokens once the layer has committed any); its commits
+        are not scored for the heavy-hitter copies (a prompt's are)."""
+        return t_new <= MAX_FUSED_QUERY and self.committed > 0
 
     def _visible_start(self, total: int) -> int:
         """First position the attention of the next tokens needs after ``total`` tokens (0 for a

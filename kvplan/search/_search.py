@@ -1165,11 +1165,10 @@ def _finalize(*, study, space, s, budgets, multi, granularity, seed, study_name,
     paths: dict[str, str] = {}
     if out is not None:
         files: dict[str, str] = {}
-        written = output_paths(out, list(plans))
+        p = output_paths(out, list(plans))
         for b, plan in plans.items():
-            files[written[f"plan@{b:g}"]] = plan.to_yaml()
-            paths[f"plan@{b:g}"] = written[f"plan@{b:g}"]
-        p = sidecar_paths(out)
+            files[p[f"plan@{b:g}"]] = plan.to_yaml()
+            paths[f"plan@{b:g}"] = p[f"plan@{b:g}"]
         files[p["trials"]] = history_text(space, done, run_id)
         sidecar = {"run_id": run_id, "space": space.describe(), "budgets": budgets, "multi_objective": multi,
                    "reference": desc["reference"], "profile": prof, "profile_by": study.user_attrs.get("kvplan.profile_by"),

@@ -192,9 +192,9 @@ def storage_file(storage) -> str | None:
     if isinstance(storage, (str, os.PathLike)):
         s = os.fspath(storage)
     else:
-        path = getattr(getattr(storage, "_backend", None), "_file_path", None)
+        path = _journal_path(storage)
         if path:
-            return str(path)
+            return path
         s = getattr(storage, "url", None)
         if not isinstance(s, str):
             return None
@@ -212,8 +212,13 @@ def describe_storage(storage) -> str | None:
     url = getattr(storage, "url", None)
     if url:
         return redact(url)
+    return _journal_path(storage) or type(storage).__name__
+
+
+def _journal_path(storage) -> str | None:
+    """The file of a journal storage object (Optuna keeps it on the backend), else ``None``."""
     path = getattr(getattr(storage, "_backend", None), "_file_path", None)
-    return str(path) if path else type(storage).__name__
+    return str(path) if path else None
 
 
 def is_persistent(storage) -> bool:
