@@ -112,8 +112,11 @@ def _cmd_search(args) -> int:
               f"{ref.full_precision_bits}-bit full-precision storage (payload {bpv.payload:.3f}, "
               f"scales/zeros {bpv.scales_zeros:.3f}, key correction {bpv.correction:.3f}, residual "
               f"{bpv.residual:.3f}); {kl}")
-    print(f"{result.n_real_evals} real trials + {result.n_profile_evals} profile evaluations in "
-          f"{result.elapsed_s:.0f} s; trial history: {result.paths.get('trials', '(none)')}")
+    trials = f"{result.n_real_evals} real trials"
+    if result.n_study_trials != result.n_real_evals:  # a resume, or other workers of a shared study
+        trials += f" by this run ({result.n_study_trials} in the study)"
+    print(f"{trials} + {result.n_profile_evals} profile evaluations in {result.elapsed_s:.0f} s; trial history: "
+          f"{result.paths.get('trials', '(none)')}")
     return 0
 
 

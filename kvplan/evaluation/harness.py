@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ..errors import KVPlanError
+from ..models.geometry import text_config
 from ..models.modality import TOKEN_IDS, Labelling, resolve_labelling
 from ..plans import KINDS, Plan, plan_bytes
 from ..runtime.cache import KVPlanCache
@@ -113,13 +114,8 @@ class PreparedSample:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _text_config(model):
-    cfg = model.config
-    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-
-
 def _num_layers(model) -> int:
-    return _text_config(model).num_hidden_layers
+    return text_config(model.config).num_hidden_layers
 
 
 def _model_device(model):

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..kernels.qtypes import FULL_PRECISION_BITS
+from ..models.geometry import text_config
 
 
 def decoder_layers(model) -> list[torch.nn.Module] | None:
@@ -32,7 +33,7 @@ def decoder_layers(model) -> list[torch.nn.Module] | None:
     ``ModuleList`` of ``num_hidden_layers`` modules whose ``self_attn.layer_idx`` is their index.
     ``None`` if not found, or if later layers read earlier layers' caches (Gemma 3n's
     ``num_kv_shared_layers``): a replayed layer writes nothing into its cache."""
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model.config)
     if getattr(cfg, "num_kv_shared_layers", 0):
         return None
     n = getattr(cfg, "num_hidden_layers", None)

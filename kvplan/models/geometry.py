@@ -10,6 +10,11 @@ LAYER_TYPES = ("full", "sliding")
 MAX_SLIDING_WINDOW = 2 ** 24
 
 
+def text_config(config):
+    """The decoder's text config of a transformers config: a VLM's language model's, a text model's own."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 @dataclass(frozen=True)
 class Geometry:
     """KV-cache geometry of a decoder: cache per layer is ``[B, num_kv_heads, T, head_dim]``.
@@ -66,7 +71,7 @@ class Geometry:
     @classmethod
     def from_config(cls, config) -> "Geometry":
         """Geometry of a transformers config (VLM configs use their text config)."""
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        text = text_config(config)
         n_layers = text.num_hidden_layers
         n_heads = text.num_attention_heads
         n_kv = getattr(text, "num_key_value_heads", None) or n_heads

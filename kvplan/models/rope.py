@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .geometry import Geometry
+from .geometry import Geometry, text_config
 
 _VISION_WORDS = ("visual", "vision", "image")
 # transformers' layer type prefixes of per-type rotary buffers (Gemma 3: "sliding_attention_inv_freq")
@@ -57,7 +57,7 @@ def multimodal_rope(model) -> bool:
     config = getattr(model, "config", None)
     if config is None:
         return False
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     for params in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
         if isinstance(params, dict) and params.get("mrope_section"):
             return True

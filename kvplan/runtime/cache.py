@@ -43,7 +43,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import CacheError, PlanError
-from ..models.geometry import Geometry
+from ..models.geometry import Geometry, text_config
 from ..kernels import FULL_PRECISION_BITS
 from ..kernels.feedback import feedback_factors
 from ..kernels.formats import ScaleRangeError
@@ -833,7 +833,7 @@ def _check_streaming_attention(plan: Plan, model) -> None:
     from .fused import ATTENTION_NAME
 
     config = model.config
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     if config._attn_implementation != ATTENTION_NAME:
         raise PlanError("bits", "the plan streams KV heads (bits 0), which only kvplan's attention masks: run "
                         "the model under kvplan.load(model, plan) (or kvplan.runtime.attention_route(model, "

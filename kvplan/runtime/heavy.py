@@ -28,6 +28,7 @@ from dataclasses import replace
 import torch
 
 from ..kernels import FULL_PRECISION_BITS
+from ..models.geometry import text_config
 from .storage import PackedBlock, Residual
 
 # queries at the end of a prompt whose attention chooses the copies (SnapKV's observation window)
@@ -206,7 +207,7 @@ def recording_window_queries(model, out: dict):
 
     from .fused import set_text_attention
 
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model.config)
     impl = cfg._attn_implementation
 
     def recorder(module, query, key, value, attention_mask, scaling=None, **kwargs):

@@ -64,6 +64,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -136,6 +137,11 @@ class SearchResult:
     finalized_by: dict | None = None  # the worker that exported the plans, when it was another one
 
     @property
+    def n_study_trials(self) -> int:
+        """COMPLETE trials in the study: this run's ``n_real_evals`` plus those of other workers and earlier runs."""
+        return len(self.curve)
+
+    @property
     def best_kl(self) -> float:
         return float(self.plan.metrics.get("calibration", {}).get("kl", float("nan")))
 
@@ -194,6 +200,7 @@ def _key(levels, q) -> tuple:
 
 # ----------------------------------------------------------------------------- the search
 MAX_DUPLICATE_ASKS = 8  # TPE proposals repairing to known plans before falling back to a mutation
+TRIALS_TARGET_ATTR = "kvplan.trials_target"  # study attr: the largest --trials a worker or resume asked for
 
 
 @dataclass(frozen=True)
@@ -400,8 +407,6 @@ class _Searcher:
             if asked is not None:
                 self._drop(asked, "repaired" if isinstance(asked, optuna.Trial) else "reservation")
         if lost:
-            import warnings
-
             warnings.warn(f"kvplan: trial {asked.number} was failed by another worker while this one evaluated it "
                           "(heartbeat late: raise --grace-period); its result is dropped")
             return None
@@ -1065,8 +1070,13 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
                   progress=progress, profile=prof, multi=multi, heartbeat=hb, owner=owner)
     s.check_identity = lambda attrs: _check_identity(study, identity, study_name, label, attrs)
     if not finalize:
+        # the most trials any worker or resume asked of this study: --finalize says when fewer are done
+        if n_trials > int(study.user_attrs.get(TRIALS_TARGET_ATTR, 0)):
+            study.set_user_attr(TRIALS_TARGET_ATTR, n_trials)
         run_once(study, "seed", "kvplan.seeded", lambda: s.enqueue_seeds(baselines), owner, hb, persistent)
         s.run()
+    else:
+        _warn_unfinished(study, study_name, len(s.complete()))
 
     def export() -> None:
         res = _finalize(study=study, space=space, s=s, budgets=budgets, multi=multi, granularity=config.granularity,
@@ -1100,6 +1110,16 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
     return SearchResult(plan=plans[min(plans)], plans=plans, study=study, space=space, budgets=budgets, profile=prof,
                         curve=curve, pareto=front, n_real_evals=s.n_evals, n_profile_evals=n_profile_evals,
                         elapsed_s=time.perf_counter() - t_start, paths=paths, finalized_by=finalized_by)
+
+
+def _warn_unfinished(study, study_name: str, n_done: int) -> None:
+    """--finalize on a study that still runs or stopped short of the trials its workers asked for."""
+    target = int(study.user_attrs.get(TRIALS_TARGET_ATTR, 0))
+    running = in_flight(study, set())
+    if running or n_done < target:
+        warnings.warn(f"kvplan: --finalize: study {study_name} holds {n_done} complete trial(s) of the {target} its "
+                      f"workers asked for" + (f", {running} still being evaluated" if running else "")
+                      + f"; the plan is chosen from the {n_done} finished ones", stacklevel=2)
 
 
 def _curve_and_front(done):

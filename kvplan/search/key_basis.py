@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import KVPlanError
+from ..models.geometry import text_config
 
 _CAPTURE_NAME = "kvplan_query_capture"
 
@@ -33,7 +34,7 @@ def query_second_moments(model, sequences: Iterable[Sequence[int] | Mapping[str,
     from ..evaluation.parallel import check_processes, map_forked
     from ..runtime.fused import set_text_attention
 
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model.config)
     n_q = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_q
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q

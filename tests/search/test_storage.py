@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import optuna
 import pytest
@@ -323,3 +324,33 @@ def test_journal_heartbeat_fails_stale_trials_from_any_host(tmp_path):
         assert retry.system_attrs["failed_trial"] == stale.number and BEAT not in retry.user_attrs
     finally:
         hb.close()
+
+
+class _StopsAfter(SyntheticScorer):
+    """A search killed after ``n`` evaluations (Ctrl-C in the middle of the study)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def __call__(self, plan):
+        if self.calls >= self.n:
+            raise KeyboardInterrupt
+        return super().__call__(plan)
+
+
+def test_finalize_warns_when_the_study_stopped_short_of_its_trials(tmp_path):
+    storage = str(tmp_path / "short.journal")
+    fast = dict(budget="3.0", progress=False, n_candidates=4, n_local=8, profile=False, storage=storage,
+                study_name="s")
+    with pytest.raises(KeyboardInterrupt):
+        search(n_trials=8, scorer=_StopsAfter(3), out=None, **fast)
+    with pytest.warns(UserWarning, match=r"study s holds 3 complete trial\(s\) of the 8 its workers asked for"):
+        r = search(n_trials=8, scorer=SyntheticScorer(), out=str(tmp_path / "p.yaml"), finalize=True, **fast)
+    assert r.n_real_evals == 0 and r.n_study_trials == 3 and r.plan.metrics["search"]["n_trials"] == 3
+    # the study finished: its export is silent, and the run's total counts every trial of the study
+    done = search(n_trials=8, scorer=SyntheticScorer(), out=str(tmp_path / "q.yaml"), **fast)
+    assert done.n_real_evals == 5 and done.n_study_trials == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        search(n_trials=8, scorer=SyntheticScorer(), out=str(tmp_path / "r.yaml"), finalize=True, **fast)
