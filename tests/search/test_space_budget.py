@@ -1,6 +1,7 @@
 """Search space <-> tables, honest-bpv model, budget parsing, repair and the knapsack seed."""
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -121,6 +122,19 @@ def test_infeasible_budget_names_cheapest():
     with pytest.raises(BudgetError, match=f"{lo:.4f} bpv"):
         model.check_budget(2.0)
     model.check_budget(lo)
+
+
+def test_a_budget_every_plan_fits_is_warned_about():
+    sp = SearchSpace(GEOM, MODS, "slot")
+    model = BpvModel(sp, REF)
+    top = np.array([g.n_levels - 1 for g in sp.groups])
+    hi = max(model.bpv(top, q) for q in model.feasible_quantizers(float("inf")))
+    assert model.dearest() == pytest.approx(hi, abs=1e-9) == 16.0  # every slot at 16 bits, nothing else stored
+    with pytest.warns(UserWarning, match=f"budget 100 bpv is at or above the dearest plan .*{hi:.4f} bpv"):
+        model.check_budget(100.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.check_budget(hi - 0.01)
 
 
 def test_repair_reaches_budget_and_keeps_feasible():
