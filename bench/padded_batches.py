@@ -21,7 +21,11 @@ model's is averaged. Rows:
   sinks and the group grid move, the keys are un-rotated by their cache index (db92d7b's keys; db92d7b's
   groups stayed on the absolute grid, which is the same when ``P`` is a whole number of groups);
 - ``padded P, not aligned``: the same with ``align_to_padding`` a no-op: the sink positions hold
-  padding (the behaviour before db92d7b).
+  padding (the behaviour before db92d7b);
+- ``unpadded, beside a row padded P``: the prompt unpadded as row 0, the companion row left-padded by
+  ``P``: the less-padded row of a batch. The cache aligns to the longest padding, so this row's first ``P``
+  tokens are held with the sinks (at ``quantizer.sink_bits``) and its token groups start ``P`` tokens
+  after its first token, not at it as alone: not the stored form the search scored, measured here.
 """
 
 from __future__ import annotations
@@ -59,22 +63,25 @@ def replaced(owner, name: str, value):
 
 @torch.no_grad()
 def decode_logits(model, history: list[int], evaluated: list[int], pad: int, pad_id: int,
-                  companion: list[int] | None) -> torch.Tensor:
+                  companion: list[int] | None, companion_pad: int = 0) -> torch.Tensor:
     """Logits ``[E, V]`` after each evaluated token, the history in the plan's cache: alone (``companion``
     None, ``pad`` 0) or left-padded by ``pad`` (0 or more) as row 0 of a batch whose row 1 is ``companion``
-    (``len(history) + pad + E`` tokens, unpadded)."""
+    (``len(history) + pad + E`` tokens), itself left-padded by ``companion_pad`` (0 or more)."""
     rows = [[pad_id] * pad + history]
     if companion is not None:
-        rows.append(companion[:pad + len(history)])
+        rows.append([pad_id] * companion_pad + companion[:pad + len(history) - companion_pad])
     ids = torch.tensor(rows)
     mask = torch.ones_like(ids)
     mask[0, :pad] = 0
+    if companion is not None:
+        mask[1, :companion_pad] = 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = make_cache(model, model.kvplan_plan, ids, mask)
     model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
     out = []
     for t, token in enumerate(evaluated):
-        step_ids = [[token]] + ([[companion[pad + len(history) + t]]] if companion is not None else [])
+        step_ids = [[token]] + ([[companion[pad + len(history) - companion_pad + t]]] if companion is not None
+                                else [])
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], -1)
         step = model(input_ids=torch.tensor(step_ids), attention_mask=mask, position_ids=positions[:, -1:] + 1 + t,
                      cache=cache, use_cache=True)
@@ -110,6 +117,7 @@ def main() -> None:
             references.append(model(input_ids=full).logits[0, len(s.history_ids):].float())
     kvplan.load(model, args.plan)
     rows = [("alone", None, contextlib.nullcontext), ("batched, unpadded", 0, contextlib.nullcontext)]
+    rows += [(f"unpadded, beside a row padded {pad}", (0, pad), contextlib.nullcontext) for pad in args.pads]
     for pad in args.pads:
         rows += [(f"padded {pad}", pad, contextlib.nullcontext),
                  (f"padded {pad}, key frame at the cache index", pad,
@@ -123,8 +131,9 @@ def main() -> None:
             for i, (s, ref) in enumerate(zip(samples, references)):
                 other = samples[(i + 1) % len(samples)]  # the companion row: another sample's text, twice
                 companion = None if pad is None else (other.history_ids + other.eval_ids) * 2
-                kls.append(mean_kl(ref, decode_logits(model, s.history_ids, s.eval_ids, pad or 0, pad_id,
-                                                      companion)))
+                own, beside = pad if isinstance(pad, tuple) else (pad or 0, 0)
+                kls.append(mean_kl(ref, decode_logits(model, s.history_ids, s.eval_ids, own, pad_id, companion,
+                                                      beside)))
         alone = alone or kls  # the first row: the paired differences below are against it
         results.append((name, *bootstrap_ci(kls), *bootstrap_ci([k - a for k, a in zip(kls, alone)])))
         print(f"{name}: {results[-1][1]:.5f}", flush=True)
