@@ -498,13 +498,15 @@ class KVPlanLayer(CacheLayerMixin):
         self._stored_changed()  # called by every change of the segments (commit, free)
 
     @contextlib.contextmanager
-    def _coding(self, kind: str, heads, start: int, length: int):
-        """Name where a block's values cannot be coded (a scale past its format's range)."""
+    def _coding(self, kind: str, heads, start: int, length: int, x: torch.Tensor):
+        """Name where a block ``x [B, len(heads), length, D]`` cannot be coded (a scale past its format's
+        range): the layer, K/V, the positions and the KV head holding the largest magnitude."""
         try:
             yield
         except ScaleRangeError as e:
-            raise CacheError(f"layer {self.layer_idx}, {'keys' if kind == 'k' else 'values'} of KV heads "
-                             f"{list(heads)} at positions {start} .. {start + length - 1}: {e}") from None
+            largest = heads[int(x.abs().float().amax(dim=(0, 2, 3)).argmax())]
+            raise CacheError(f"layer {self.layer_idx}, {'keys' if kind == 'k' else 'values'} of KV head {largest} "
+                             f"at positions {start} .. {start + length - 1}: {e}") from None
 
     def _commit_oldest(self, target: int) -> None:
         """Quantize residual tokens ``[committed, target)`` into segments (see :meth:`_commit`)."""
@@ -526,7 +528,7 @@ class KVPlanLayer(CacheLayerMixin):
                 offset = start - self.committed
                 x = chunk[:, :, offset : offset + length]
                 if sink:  # attention-sink positions: every head as quantizer.sink_bits says
-                    with self._coding(kind, all_heads, start, length):
+                    with self._coding(kind, all_heads, start, length, x):
                         blocks = [PackedBlock.encode(x, all_heads, q.sink_bits, SINK_AXIS, q.group_size, start,
                                                      rotation=self.rotation[kind], range_flag=range_flag,
                                                      fmt=q.sink_format)]
@@ -541,7 +543,7 @@ class KVPlanLayer(CacheLayerMixin):
                     if fb is not None and len(heads) != fb[0].shape[0]:
                         fb = (fb[0][list(heads)], fb[1][list(heads)])
                     fmt = None if bits == STREAMED else q.format(kind, bits)
-                    with self._coding(kind, heads, start, length):
+                    with self._coding(kind, heads, start, length, xh):
                         blocks.append(PackedBlock.encode(xh, heads, bits, q.axis(kind), q.group_size, start, basis,
                                                          q.key_correction_bits, self.rotation[kind], range_flag, fmt,
                                                          fb, grid_origin=self.owner.grid_origin))

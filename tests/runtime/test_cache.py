@@ -90,14 +90,14 @@ def test_nan_and_inf_raise():
 
 def test_values_past_a_formats_scale_range_raise_naming_where():
     """Values whose group scale an e4m3 scale cannot hold (absmax-e4m3: 448 at most) are refused at their
-    commit with a CacheError naming the layer, K/V, KV heads and positions, not a bare ValueError."""
+    commit with a CacheError naming the layer, K/V, the KV head and positions, not a bare ValueError."""
     import dataclasses
 
     base = baseline_plan("int4", GEOM, residual_length=0)
     cache = KVPlanCache(base.replace(quantizer=dataclasses.replace(base.quantizer, value_scaling="absmax-e4m3")))
     k, v = _states(32, 0)
     v[0, 1, 3] = 1e4
-    with pytest.raises(CacheError, match=r"layer 1, values of KV heads \[0, 1\] at positions 0 \.\. 31: .*absmax-e4m3"):
+    with pytest.raises(CacheError, match=r"layer 1, values of KV head 1 at positions 0 \.\. 31: .*absmax-e4m3"):
         cache.layers[1].update(k, v)
 
 
