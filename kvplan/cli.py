@@ -46,7 +46,6 @@ def _cmd_search(args) -> int:
     budgets = args.budget if len(args.budget) > 1 else args.budget[0]
     for b in args.budget:  # an unparsable budget fails before the model loads
         parse_budget(b)
-    _check_output_path(args.out, "--out")
     if args.grace_period <= args.heartbeat_interval:
         raise KVPlanError(f"--grace-period {args.grace_period}: must be longer than --heartbeat-interval "
                           f"{args.heartbeat_interval}")
@@ -133,7 +132,6 @@ def _cmd_eval(args) -> int:
     from .evaluation.tasks import check_task
 
     check_task(args.task, {args.split: args.samples}, args.seed)
-    _check_output_path(args.out, "--out")
     run_eval(args.plan, model=args.model, task=args.task, split=args.split, samples=args.samples, out=args.out,
              seed=args.seed, history_tokens=args.history_tokens, progress=not args.quiet)
     return 0
@@ -147,21 +145,6 @@ def _cmd_sweep(args) -> int:
     run_sweep(model=args.model, samples=args.samples, out_dir=args.out_dir, task=args.task, split=args.split,
               seed=args.seed, history_tokens=args.history_tokens, progress=not args.quiet)
     return 0
-
-
-def _check_output_path(path, option: str) -> None:
-    """Fail before any work when ``path`` (a file to write) cannot be written."""
-    import os
-
-    if path is None:
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise KVPlanError(f"{option} {path}: is a directory, expected a file path")
-    if not os.path.isdir(parent):
-        raise KVPlanError(f"{option} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise KVPlanError(f"{option} {path}: directory {parent} is not writable")
 
 
 def _int_at_least(minimum: int):

@@ -130,8 +130,8 @@ def test_search_head_profile_option_reaches_the_search(monkeypatch, tmp_path, va
 
     def fake_search(**kwargs):
         seen.update(kwargs)
-        return types.SimpleNamespace(finalized_by=None, plans={}, paths={}, n_real_evals=0, n_profile_evals=0,
-                                     elapsed_s=0.0)
+        return types.SimpleNamespace(finalized_by=None, plans={}, paths={}, n_real_evals=0, n_study_trials=0,
+                                     n_profile_evals=0, elapsed_s=0.0)
 
     monkeypatch.setattr(kvplan.search, "search", fake_search)
     argv = ["search", "--quiet", "--out", str(tmp_path / "p.yaml")] + ([] if value is None else ["--head-profile", value])
@@ -264,6 +264,8 @@ def test_argument_errors_come_before_the_work(monkeypatch, tmp_path, capsys):
         (["search", "--quiet", "--storage", str(journal), "--study-name", "s", "--out", str(tmp_path / "p.yaml")],
          "line 1 is not an Optuna journal record"),
         (["search", "--budget", "-1"], "budget must be a positive number"),
+        (["search", "--quiet", "--out", str(a_file / "p.yaml")], f"--out {a_file / 'p.yaml'}: cannot write into"),
+        (["eval", "int4", "--samples", "1", "--quiet", "--out", str(a_file / "e.json")], "cannot write into"),
     ]:
         rc = main(argv)
         err = capsys.readouterr().err
@@ -294,7 +296,7 @@ def test_quiet_turns_off_transformers_progress_bars(monkeypatch, tmp_path):
     from transformers.utils import logging as transformers_logging
 
     monkeypatch.setattr(kvplan.search, "search", lambda **k: types.SimpleNamespace(
-        finalized_by=None, plans={}, paths={}, n_real_evals=0, n_profile_evals=0, elapsed_s=0.0))
+        finalized_by=None, plans={}, paths={}, n_real_evals=0, n_study_trials=0, n_profile_evals=0, elapsed_s=0.0))
     transformers_logging.enable_progress_bar()
     try:
         assert main(["search", "--out", str(tmp_path / "p.yaml")]) == 0

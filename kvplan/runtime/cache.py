@@ -764,6 +764,10 @@ class KVPlanCache(Cache):
             self._labels.append(TEXT)
         self._labels.extend(self._plan_label(x, start + i) for i, x in enumerate(labels))
 
+    def has_labels_from(self, position: int) -> bool:
+        """Whether labels were assigned for the token at ``position`` (by :meth:`assign_labels`)."""
+        return len(self._labels) > position
+
     def _plan_label(self, label: str, position: int) -> str:
         mods = self.plan.modalities
         if label in mods:
@@ -857,7 +861,7 @@ def resolve_batch_labels(rows: Sequence[Sequence[str]], attention_mask=None) -> 
     n = len(rows[0])
     if any(len(r) != n for r in rows):
         raise CacheError("modality label rows have different lengths")
-    mask = None if attention_mask is None else attention_mask.tolist()
+    mask = None if attention_mask is None else torch.as_tensor(attention_mask).tolist()
     out = []
     for t in range(n):
         seen = {rows[b][t] for b in range(len(rows)) if mask is None or mask[b][t]}

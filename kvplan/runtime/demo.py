@@ -28,7 +28,7 @@ def generate_demo(plan="int4", model="smollm2-135m", prompt=None, max_new_tokens
                                        add_generation_prompt=True)
     else:
         text = prompt
-    inputs = tok(text, return_tensors="pt")
+    inputs = tok(text=text, return_tensors="pt")  # by keyword: a VLM's processor takes images first
     load(m, plan)
     try:
         out = m.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)

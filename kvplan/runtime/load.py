@@ -8,6 +8,8 @@ import math
 import os
 import warnings
 
+import torch
+
 from ..errors import PlanError
 from ..models.geometry import Geometry
 from ..models.modality import Labelling, resolve_labelling
@@ -101,7 +103,7 @@ def make_cache(model, plan, input_ids=None, attention_mask=None, labelling: Labe
     cache.align_to_padding(attention_mask)  # a left-padded batch: each row's sinks and key frame as unpadded
     if input_ids is not None:
         check_modalities(resolved, model, labelling=labelling)
-        cache.assign_labels(labelling(input_ids, model.config), attention_mask)
+        cache.assign_labels(labelling(torch.as_tensor(input_ids), model.config), attention_mask)
     return cache
 
 
@@ -172,11 +174,14 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
     @functools.wraps(original)
     def generate(*args, **kwargs):
         given = kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+        # transformers names generate's first parameter `inputs`; `input_ids=` is the usual keyword
+        input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        mask = kwargs.get("attention_mask")
         if given is None and kwargs.get("use_cache", True):
-            input_ids = kwargs.get("input_ids", args[0] if args else None)
-            kwargs["cache"] = make_cache(model, resolved, input_ids, kwargs.get("attention_mask"))
-        elif isinstance(given, KVPlanCache) and not given.get_seq_length():  # the caller's fresh cache
-            given.align_to_padding(kwargs.get("attention_mask"))
+            _require_ids(resolved, input_ids, None)
+            kwargs["cache"] = make_cache(model, resolved, input_ids, mask)
+        elif isinstance(given, KVPlanCache):  # the caller's cache: fresh, reset, or a conversation's so far
+            _label_new_prompt(model, given, input_ids, mask)
         return original(*args, **kwargs)
 
     generate._kvplan_original = original
@@ -184,6 +189,33 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
     model.kvplan_plan = resolved
     model._kvplan_labelling = labelling
     return model
+
+
+def _require_ids(plan: Plan, input_ids, cache: KVPlanCache | None) -> None:
+    """Refuse a prompt without token ids for a plan whose modalities differ: nothing would tell its
+    visual tokens from its text ones (every token would be stored at the text bits)."""
+    if input_ids is None and len(plan.modalities) > 1 and (cache is None or not cache.has_labels_from(
+            cache.get_seq_length())):
+        raise PlanError("modalities", f"generate was given no input_ids (only inputs_embeds?), so the plan's "
+                        f"modalities {list(plan.modalities)} cannot be told apart: pass input_ids, or label the "
+                        "prompt with cache.assign_labels on a make_cache cache passed as cache=", show_value=False)
+
+
+def _label_new_prompt(model, cache: KVPlanCache, input_ids, attention_mask) -> None:
+    """Prepare the caller's cache for ``generate`` as :func:`make_cache` prepares a new one: an empty
+    cache is aligned to the prompt's left padding; the prompt tokens past what the cache holds (all of
+    them after ``cache.reset()``, a conversation's new turn otherwise) are labelled, unless the caller
+    labelled them already (:meth:`KVPlanCache.assign_labels`)."""
+    start = cache.get_seq_length()
+    if not start:
+        cache.align_to_padding(attention_mask)
+    _require_ids(cache.plan, input_ids, cache)
+    if input_ids is None or cache.has_labels_from(start):
+        return
+    input_ids = torch.as_tensor(input_ids)
+    labelling = labelling_in_force(model, None)
+    rows = [row[start:] for row in labelling(input_ids, model.config)]  # [B][T - start]
+    cache.assign_labels(rows, None if attention_mask is None else torch.as_tensor(attention_mask)[:, start:])
 
 
 def unload(model):

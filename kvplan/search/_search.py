@@ -95,8 +95,8 @@ from .space import (DEFAULT_BITS, DEFAULT_GROUP_SIZES, DEFAULT_HEAVY_LENGTH, DEF
                     DEFAULT_RESIDUAL_BITS, DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS, DEFAULT_SINK_LENGTHS,
                     DEFAULT_TRIALS, SearchSpace)
 from ..errors import describe
-from ..plans._files import (budget_plan_path, check_not_inputs, existing_path,  # noqa: F401 -- sidecar_paths is public
-                            sidecar_paths, write_file_set)
+from ..plans._files import (budget_plan_path, check_not_inputs, check_writable, existing_path,
+                            sidecar_paths, write_file_set)  # noqa: F401 -- sidecar_paths is public
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
                        run_once, tell)
 from .storage import (DEFAULT_GRACE_S, DEFAULT_HEARTBEAT_S, Heartbeat, describe_storage, fail_orphaned_trials,
@@ -765,7 +765,9 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     # in increasing order, whatever order they were given in: a study's name and setup do not depend on it
     budgets = sorted(parse_budget(b) for b in (budget if isinstance(budget, (list, tuple)) else [budget]))
     multi = pareto or len(budgets) > 1
-    if out is not None:  # the plan files and their sidecars must not land on what the search reads
+    if out is not None:  # the plan files and their sidecars: writable, and not on what the search reads
+        for path in output_paths(out, budgets).values():
+            check_writable(path, "--out", is_dir=False)
         check_not_inputs(output_paths(out, budgets), {"storage": storage_file(storage),
                                                       "task file": existing_path(task), "model": existing_path(model)})
     if heldout_scorer is not None:

@@ -123,3 +123,13 @@ def test_user_jsonl_task_on_tiny_vlm(tmp_path, tok, build):
     r = evaluate(model, named_plan("int2", model, modalities=mods, residual_length=0), prepared, progress=False)
     assert r["quantized_tokens"]["k"]["visual"] > 0
     assert r["kl"]["mean"] > 0 and "acc" in r
+
+
+def test_generate_demo_runs_on_a_vlm_with_its_processor(tok, capsys):
+    """``kvplan generate --model <VLM>``: the prompt reaches the processor as text (a processor's first
+    positional argument is ``images``: the prompt used to be parsed as an image path)."""
+    from kvplan.runtime.demo import generate_demo
+
+    model, proc = _tiny_llava_ov(tok)
+    result = generate_demo("int4", model=(model, proc), prompt="Hello there", max_new_tokens=3)
+    assert result["bpv"] > 0 and "reply:" in capsys.readouterr().out

@@ -70,3 +70,66 @@ def test_vlm_fp16_plan_matches_dynamic_cache():
     kvplan.load(model, "fp16")
     out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     assert torch.equal(out, ref)
+
+
+def test_generate_labels_the_prompt_whatever_keyword_carries_it():
+    """generate's first parameter is named ``inputs``: ``inputs=ids`` labels the image tokens as
+    ``input_ids=ids`` does (it used to store them at the text bits, silently)."""
+    model = tiny_llava_onevision()
+    inputs = llava_onevision_inputs(model, skimage_data.astronaut())
+    kvplan.load(model, _modality_plan(model))
+    ids = inputs.pop("input_ids")
+    out = model.generate(inputs=ids, **inputs, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    _check_stored_bits(model, inputs, out)
+
+
+def test_a_reset_cache_passed_to_generate_labels_its_next_prompt():
+    """A cache of the caller's, emptied by ``reset()`` (which clears its labels), is labelled from the
+    next prompt's ids as a cache ``kvplan.load`` makes is."""
+    model = tiny_llava_onevision()
+    inputs = llava_onevision_inputs(model, skimage_data.astronaut())
+    kvplan.load(model, _modality_plan(model))
+    cache = kvplan.make_cache(model, model.kvplan_plan, inputs["input_ids"])
+    model.generate(**inputs, cache=cache, max_new_tokens=2, do_sample=False)
+    cache.reset()
+    out = model.generate(**inputs, cache=cache, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    assert out.cache is cache
+    _check_stored_bits(model, inputs, out)
+
+
+def test_a_conversations_next_turn_labels_its_new_image():
+    """Continuing with the previous turn's cache (``past_key_values=out.cache``): the new turn's image
+    tokens are labelled visual, and the cache's bpv is the plan's for the conversation's labels."""
+    model = tiny_llava_onevision()
+    plan = _modality_plan(model)
+    kvplan.load(model, plan)
+    first = llava_onevision_inputs(model, skimage_data.astronaut(), text_before=tuple(range(3, 40)),
+                                   text_after=tuple(range(40, 60)))
+    out = model.generate(**first, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    second = llava_onevision_inputs(model, skimage_data.coffee(), text_before=(7, 8, 9),
+                                    text_after=tuple(range(10, 40)))
+    ids = torch.cat([out.sequences, second["input_ids"]], 1)
+    out2 = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=second["pixel_values"],
+                          image_sizes=second["image_sizes"], past_key_values=out.cache, max_new_tokens=4,
+                          do_sample=False, return_dict_in_generate=True)
+    cache = out2.cache
+    n = cache.get_seq_length()
+    labels = labels_from_input_ids(out2.sequences[:, :n], model.config)[0]
+    assert labels.count("visual") == 2 * labels_from_input_ids(first["input_ids"], model.config)[0].count("visual")
+    assert cache.labels_for(0, n) == labels
+    assert cache.bpv() == plan.bpv(cache.geometry, n, labels, full_precision_bits=32).total
+
+
+def test_generate_without_token_ids_refuses_a_plan_with_modalities():
+    """Only ``inputs_embeds``: nothing tells the image tokens from the text ones, so a plan with visual
+    bits is refused in one line rather than storing every token at the text bits."""
+    import pytest
+
+    from kvplan.errors import PlanError
+
+    model = tiny_llava_onevision()
+    inputs = llava_onevision_inputs(model, skimage_data.astronaut())
+    kvplan.load(model, _modality_plan(model))
+    embeds = model.get_input_embeddings()(inputs["input_ids"])
+    with pytest.raises(PlanError, match="no input_ids .* cannot be told apart"):
+        model.generate(inputs_embeds=embeds, attention_mask=inputs["attention_mask"], max_new_tokens=2)
