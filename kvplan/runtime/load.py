@@ -156,8 +156,11 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
     force one.
     ``labelling``: the :class:`~kvplan.Labelling` the plan was searched with, when it was not
     the default (token ids); a plan searched with another labelling is refused, naming it.
-    Returns the model. A ``cache=`` passed to ``generate`` explicitly is used as is (an empty
-    :class:`KVPlanCache` is aligned to the prompt's left padding, as ``make_cache`` does).
+    Returns the model. A :class:`KVPlanCache` passed to ``generate`` (``cache=`` or ``past_key_values=``:
+    a fresh one, one after ``reset()``, or a conversation's so far) is prepared as ``make_cache`` prepares
+    a new one: aligned to the prompt's left padding when empty, and the prompt tokens past what it holds
+    labelled from the ids (``input_ids=``, ``inputs=`` or positional) unless the caller labelled them. A
+    plan with several modalities refuses a prompt given without token ids (``inputs_embeds`` only).
     ``kvplan.unload(model)`` restores the original ``generate`` and attention.
     """
     labelling = resolve_labelling(labelling)
