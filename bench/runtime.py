@@ -404,8 +404,8 @@ def fill(cache, states, batch: int, dtype):
         cache.update(k, v, i)
         observe = getattr(cache.layers[i], "observe_prompt", None)  # kvplan layers (a no-op without copies)
         if observe is not None:
-            query, scaling = window
-            observe(query.expand(batch, -1, -1, -1).to(dtype), k, scaling)
+            query, scaling, mask = window
+            observe(query.expand(batch, -1, -1, -1).to(dtype), k, scaling, mask)
     return cache
 
 

@@ -37,6 +37,35 @@ def tiny_gemma3(num_layers=6, num_kv_heads=2, head_dim=16, sliding_window=16, se
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
+def tiny_gemma3_vl(seed=0, sliding_window=16):
+    """Tiny random Gemma 3 VLM (SigLIP tower on 32-px images, 4 tokens per image): its image tokens
+    attend to each other both ways in the prefill."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    cfg = Gemma3Config(
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=sliding_window,
+                         max_position_embeddings=4096, query_pre_attn_scalar=16, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        mm_tokens_per_image=4, image_token_index=IMAGE_TOKEN, boi_token_index=252, eoi_token_index=253)
+    torch.manual_seed(seed)
+    return Gemma3ForConditionalGeneration(cfg).eval()
+
+
+def gemma3_vl_inputs(model, n_images=1, before=tuple(range(3, 20)), after=tuple(range(20, 40))):
+    """``generate`` inputs for :func:`tiny_gemma3_vl`: text, ``n_images`` random images (each between
+    its begin/end-of-image tokens, then two text tokens), text."""
+    ids = list(before)
+    for _ in range(n_images):
+        ids += [252] + [IMAGE_TOKEN] * model.config.mm_tokens_per_image + [253, 10, 11]
+    ids = torch.tensor([ids + list(after)])
+    pixels = torch.randn(n_images, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels,
+            "token_type_ids": (ids == IMAGE_TOKEN).long()}
+
+
 def tiny_llava_onevision(seed=0):
     """Tiny LLaVA-OneVision; one 32x32 image (anyres, 2 patches) -> 36 visual tokens."""
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration

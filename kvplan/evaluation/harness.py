@@ -104,9 +104,10 @@ class PreparedSample:
     labelling: Labelling = TOKEN_IDS  # how its history is labelled (checked), also in every plan cache
     # this process's recorded full-precision layer outputs (evaluate(..., reuse_prefix=True))
     replay: PrefixReplay | None = field(default=None, repr=False, compare=False)
-    # per layer, the prefill's last queries [1, Hq, w, D] and attention scaling (what kvplan's
-    # attention function sees at a deployed prompt: they choose heavy-hitter copies)
-    window_queries: dict[int, tuple[torch.Tensor, float]] | None = field(default=None, repr=False, compare=False)
+    # per layer, the prefill's last queries [1, Hq, w, D], attention scaling and their mask rows (what
+    # kvplan's attention function sees at a deployed prompt: they choose heavy-hitter copies)
+    window_queries: dict[int, tuple[torch.Tensor, float, torch.Tensor | None]] | None = field(
+        default=None, repr=False, compare=False)
 
     @property
     def history_len(self) -> int:
@@ -338,8 +339,8 @@ def build_plan_cache(model, plan: Plan, prepared: PreparedSample) -> KVPlanCache
             if prepared.window_queries is None or i not in prepared.window_queries:
                 raise ProtocolError(f"layer {i}: the sample's prefill recorded no queries to choose the plan's "
                                     "heavy-hitter copies (quantizer.heavy_length) with")
-            query, scaling = prepared.window_queries[i]
-            layer.observe_prompt(query, k, scaling)
+            query, scaling, mask = prepared.window_queries[i]
+            layer.observe_prompt(query, k, scaling, mask)
     return cache
 
 

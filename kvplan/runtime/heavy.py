@@ -199,8 +199,10 @@ class HeavyCopies:
 @contextmanager
 def recording_window_queries(model, out: dict):
     """Inside the block, every attention call of ``model``'s text decoder also stores
-    ``out[layer_idx] = (its last HEAVY_WINDOW queries [B, Hq, w, D], scaling)``; the attention
-    itself is the model's own (same function, same masks: the same numbers)."""
+    ``out[layer_idx] = (its last HEAVY_WINDOW queries [B, Hq, w, D], scaling, their mask rows [B, 1 or
+    Hq, w, T_k] or None)``: the mask is the forward's own (a VLM's bidirectional image blocks, a sliding
+    window), as kvplan's attention function sees it at a deployed prompt. The attention itself is the
+    model's own (same function, same masks: the same numbers)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -211,7 +213,8 @@ def recording_window_queries(model, out: dict):
     impl = cfg._attn_implementation
 
     def recorder(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        out[module.layer_idx] = (query[:, :, -HEAVY_WINDOW:].detach().clone(), scaling)
+        rows = None if attention_mask is None else attention_mask[:, :, -HEAVY_WINDOW:].detach().clone()
+        out[module.layer_idx] = (query[:, :, -HEAVY_WINDOW:].detach().clone(), scaling, rows)
         if impl in ALL_ATTENTION_FUNCTIONS:
             fn = ALL_ATTENTION_FUNCTIONS[impl]
         else:  # "eager": the modeling module's own function

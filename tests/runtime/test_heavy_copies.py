@@ -11,7 +11,7 @@ from kvplan.kernels import reference
 from kvplan.runtime.heavy import HEAVY_WINDOW, window_mass
 from kvplan.runtime.load import attention_route, make_cache
 from tests.runtime.routes import KERNELS, generate_like_dequantize, prefill_then_decode, random_kv, with_quantizer
-from tests.tiny_models import tiny_llama
+from tests.tiny_models import gemma3_vl_inputs, tiny_gemma3_vl, tiny_llama
 
 GEOM = Geometry(2, 2, 16, ("full", "full"), "llama")
 HYBRID = Geometry(2, 2, 64, ("full", "sliding"), "llama", 48)
@@ -169,6 +169,31 @@ def test_the_harness_keeps_the_copies_a_deployed_prompt_keeps(attention):
     assert harness.bpv() == deployed.bpv() == plan.bpv(context_len=70, full_precision_bits=32).total
 
 
+def test_search_scores_heavy_hitters_with_a_vlms_own_prefill_mask():
+    """Gemma 3's image tokens attend both ways in the prefill: with images among a prompt's last
+    queries, the harness scores the heavy-hitter candidates with the forward's own mask (recorded with
+    the queries), as kvplan's attention does at a deployed prompt: the same scores, bit for bit."""
+    model = tiny_gemma3_vl(sliding_window=512)
+    inputs = gemma3_vl_inputs(model, 3, before=tuple(range(3, 100)), after=tuple(range(20, 30)))
+    ids = inputs["input_ids"]
+    labels = kvplan.models.labels_from_input_ids(ids, model.config)[0]
+    assert "visual" in labels[-HEAVY_WINDOW:]
+    base = uniform_plan(Geometry.of(model), 4, modalities=("text", "visual"), group_size=32, residual_length=0)
+    plan = with_quantizer(base, heavy_length=4)
+    kvplan.load(model, plan, attention="dequantize")
+    deployed = model.generate(**inputs, max_new_tokens=1, do_sample=False, return_dict_in_generate=True).cache
+    kvplan.unload(model)
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    prepared = prepare_sample(model, Sample(ids[0].tolist(), labels, [5, 6], prefill_inputs=extra),
+                              attention="dequantize")
+    with attention_route(model, "dequantize", plan):
+        searched = build_plan_cache(model, plan, prepared)
+    scored = [(a.heavy, b.heavy) for a, b in zip(deployed.layers, searched.layers) if a.heavy is not None]
+    assert scored
+    for a, b in scored:
+        assert torch.equal(a.scores, b.scores) and torch.equal(a.positions, b.positions)
+
+
 def test_prefill_recording_changes_no_number():
     """prepare_sample records the prefill's last queries through the model's own attention: the
     history states are those of a plain forward, bit for bit."""
@@ -182,7 +207,7 @@ def test_prefill_recording_changes_no_number():
         model(input_ids=ids, cache=cache, use_cache=True)
     for i, (k, v) in enumerate(prepared.kv):
         assert torch.equal(k, cache.layers[i].keys) and torch.equal(v, cache.layers[i].values)
-    q, scaling = prepared.window_queries[0]
+    q, scaling, _ = prepared.window_queries[0]
     assert q.shape == (1, model.config.num_attention_heads, min(HEAVY_WINDOW, 40), model.config.head_dim)
     assert scaling == model.config.head_dim ** -0.5
     assert model.config._attn_implementation != "kvplan_record_window"  # restored
