@@ -266,6 +266,8 @@ def test_argument_errors_come_before_the_work(monkeypatch, tmp_path, capsys):
         (["search", "--budget", "-1"], "budget must be a positive number"),
         (["search", "--quiet", "--out", str(a_file / "p.yaml")], f"--out {a_file / 'p.yaml'}: cannot write into"),
         (["eval", "int4", "--samples", "1", "--quiet", "--out", str(a_file / "e.json")], "cannot write into"),
+        (["eval", "int4", "--split", "all", "--samples", "1", "--quiet"], "split 'all' is for JSONL tasks"),
+        (["sweep", "--split", "all", "--samples", "1", "--quiet"], "split 'all' is for JSONL tasks"),
     ]:
         rc = main(argv)
         err = capsys.readouterr().err

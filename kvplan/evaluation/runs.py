@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from ..models.geometry import Geometry
-from ..plans import BASELINES, Plan
+from ..plans import Plan, is_baseline_name
 from ..plans._files import check_not_inputs, check_writable, existing_path
 from .baselines import evaluate_peer, head_sensitivity, headguard_from_sensitivity, named_plan, parse_peer
 from .harness import evaluate, prepare_samples
@@ -105,12 +105,28 @@ def _check_eval_arguments(plan_or_baseline, model, task, out) -> None:
     lacks, or an ``out`` that is one of the inputs or cannot be written."""
     if isinstance(plan_or_baseline, (str, os.PathLike)):
         name = os.fspath(plan_or_baseline)
-        if parse_peer(name) is None and name != "headguard" and name.partition("-g")[0] not in BASELINES:
+        if parse_peer(name) is None and name != "headguard" and not is_baseline_name(name):
             Plan.from_yaml(name)  # PlanError naming the file and key
     if out is not None:
         check_writable(out, "--out", is_dir=False)
         check_not_inputs({"--out": out}, {"plan": existing_path(plan_or_baseline), "task file": existing_path(task),
                                           "model": existing_path(model)})
+
+
+def _token_lengths(samples) -> dict[str, int | dict[str, float]]:
+    """``history_tokens`` / ``eval_tokens`` the samples hold: one number when every sample holds the same
+    (the built-in task's settings), else their ``min`` / ``mean`` / ``max`` (a JSONL task's records)."""
+    out = {}
+    for name, lengths in (("history_tokens", [len(s.history_ids) for s in samples]),
+                          ("eval_tokens", [len(s.eval_ids) for s in samples])):
+        lo, hi = min(lengths, default=0), max(lengths, default=0)
+        out[name] = lo if lo == hi else {"min": lo, "mean": sum(lengths) / len(lengths), "max": hi}
+    return out
+
+
+def _history_title(lengths: dict) -> str:
+    h = lengths["history_tokens"]
+    return f"{h}-token history" if isinstance(h, int) else f"{h['min']}-{h['max']}-token histories"
 
 
 def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_tokens, eval_tokens, dtype,
@@ -131,11 +147,11 @@ def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_
             cprep = prepare_samples(m, cal, pad_id=pad_token_id(proc), progress=progress)
             sens = head_sensitivity(m, cprep, modality=bulk_mod, progress=progress)
             plan = headguard_from_sensitivity(m, sens["score"], modalities=mods, protected_modality=bulk_mod)
-        elif isinstance(plan, str) and plan.partition("-g")[0] in BASELINES:
+        elif is_baseline_name(plan):
             plan = named_plan(plan, m, modalities=mods)
         r = evaluate(m, plan, prepared, seed=seed, progress=progress)
-    r["task"] = {"task": task, "split": split, "samples": len(ss), "seed": seed, "history_tokens": history_tokens,
-                 "eval_tokens": eval_tokens, "dtype": dtype, "model": model if isinstance(model, str) else "<object>"}
+    r["task"] = {"task": task, "split": split, "samples": len(ss), "seed": seed, **_token_lengths(ss),
+                 "dtype": dtype, "model": model if isinstance(model, str) else "<object>"}
     r["seconds"] = time.perf_counter() - t0
     if verbose:
         _print_eval(r)
@@ -170,12 +186,13 @@ def _run_sweep(model, samples, out_dir, task, split, bits, seed, history_tokens,
                                                     eval_tokens, seed, progress)
     res = sweep_prepared(m, prepared, mods, bits=bits, seed=seed, group_size=group_size, progress=progress)
     res["seconds"] = time.perf_counter() - t0
+    lengths = _token_lengths(ss)  # what the samples hold (--history-tokens applies to the built-in task only)
     meta = {"model": model if isinstance(model, str) else "<object>", "task": task, "split": split,
-            "samples": len(ss), "seed": seed, "history_tokens": history_tokens, "eval_tokens": eval_tokens,
-            "group_size": group_size, "residual_length": 0, "dtype": dtype, "modalities": list(mods),
+            "samples": len(ss), "seed": seed, **lengths, "group_size": group_size, "residual_length": 0,
+            "dtype": dtype, "modalities": list(mods),
             "layer_types": list(Geometry.of(m).layer_types), "sliding_window": Geometry.of(m).sliding_window,
             "seconds": res["seconds"], "title": f"{model if isinstance(model, str) else 'model'}: "
-                                                f"{len(ss)} samples, {history_tokens}-token history"}
+                                                f"{len(ss)} samples, {_history_title(lengths)}"}
     res["paths"] = {} if out_dir is None else write_sweep(res, os.fspath(out_dir), meta)
     res["meta"] = meta
     if verbose:

@@ -413,6 +413,9 @@ def check_task(task: str, samples: Mapping[str, int | None] | None = None, seed:
     count that is not a whole number of at least 0."""
     if task == "default":
         for split, n in (samples or {}).items():
+            if split == ALL_RECORDS and n != 0:
+                raise TaskError(f"split {ALL_RECORDS!r} is for JSONL tasks; the built-in task has the calibration, "
+                                "validation and test splits")
             _check_sample_count(n, f"the built-in task's {split} split", allow_all=False)
         return
     recs = read_jsonl(task)

@@ -8,6 +8,7 @@ protected heads via :func:`headguard_plan`.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import numpy as np
@@ -45,6 +46,15 @@ def uniform_plan(geometry: Geometry, key_bits: int, value_bits: int | None = Non
                           residual_length=residual_length, sink_length=sink_length)
     plan_kwargs.setdefault("provenance", Provenance(produced_by="baseline"))
     return Plan.from_table(table, geometry, modalities, quantizer=q, name=name, **plan_kwargs)
+
+
+def is_baseline_name(name) -> bool:
+    """Whether ``name`` names a built-in baseline (``int4``, ``k4v2-g64``...) rather than a plan file: the
+    whole string is a baseline name with an optional ``-g<group size>``, and no file of that name exists."""
+    if not isinstance(name, str) or os.path.exists(name):
+        return False
+    base, sep, suffix = name.partition("-g")
+    return base in BASELINES and (not sep or suffix.isdigit())
 
 
 def baseline_plan(name: str, geometry: Geometry, **kwargs) -> Plan:

@@ -14,7 +14,7 @@ from ..errors import PlanError
 from ..models.geometry import Geometry
 from ..models.modality import Labelling, resolve_labelling
 from ..models.rope import rope_inv_freq
-from ..plans import BASELINES, Plan, baseline_plan
+from ..plans import BASELINES, Plan, baseline_plan, is_baseline_name
 from .cache import KVPlanCache
 
 
@@ -29,7 +29,7 @@ def resolve_plan(plan, model_or_geometry, labelling: Labelling | None = None) ->
     elif isinstance(plan, (str, os.PathLike)) and os.path.exists(plan):
         source = os.fspath(plan)
         resolved = Plan.from_yaml(plan)
-    elif isinstance(plan, str) and plan.partition("-g")[0] in BASELINES:
+    elif is_baseline_name(plan):
         labelling = resolve_labelling(labelling)
         resolved = baseline_plan(plan, geometry, modalities=labelling.modalities(_config(model_or_geometry)),
                                  labelling=labelling.name)

@@ -38,3 +38,21 @@ def test_run_sweep_writes_files_only_where_asked(tmp_path, monkeypatch, smol):
     res = run_sweep(out_dir="out", **kw)
     assert sorted(os.listdir(tmp_path / "out")) == ["sweep.csv", "sweep.json", "sweep.png"]
     assert set(res["paths"]) == {"csv", "json", "png"}
+
+
+def test_sweep_and_eval_on_a_jsonl_task_record_the_lengths_its_samples_hold(tmp_path, smol):
+    """--history-tokens is the built-in task's: a JSONL task's records set their own lengths, and the
+    sweep's title and the eval's task block say what the samples held, not the unused option."""
+    from kvplan.evaluation import run_eval, run_sweep
+    from kvplan.evaluation.tasks import task_samples
+    from tests.search.test_task_search import _text_task
+
+    task = str(_text_task(tmp_path / "docs.jsonl"))
+    samples = task_samples(task, smol[0], smol[1], split="test", n=2)
+    held = sorted(len(s.history_ids) for s in samples)
+    assert held[0] != 512
+    kw = dict(task=task, split="test", samples=2, history_tokens=512, progress=False, verbose=False)
+    meta = run_sweep(bits=(2,), **kw)["meta"]
+    want = held[0] if held[0] == held[1] else {"min": held[0], "mean": sum(held) / 2, "max": held[1]}
+    assert meta["history_tokens"] == want and "512" not in meta["title"]
+    assert run_eval("int4", **kw)["task"]["history_tokens"] == want

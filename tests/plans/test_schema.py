@@ -178,3 +178,19 @@ def test_generated_mutations_fail_only_with_plan_error(path, value):
         Plan.from_yaml(yaml.safe_dump(doc))
     except PlanError as e:
         assert e.path and str(e)
+
+
+def test_a_plan_file_named_like_a_baseline_is_read_as_the_file(tmp_path, monkeypatch):
+    """``int2-good.yaml`` is a file, not the baseline ``int2``: a name is a baseline only when it is
+    one whole (``int4``, ``k4v2-g64``) and no such file exists."""
+    from kvplan.plans import is_baseline_name
+    from kvplan.runtime.load import resolve_plan
+
+    monkeypatch.chdir(tmp_path)
+    assert is_baseline_name("int2") and is_baseline_name("k4v2-g64")
+    assert not any(is_baseline_name(n) for n in ("int2-good.yaml", "int2-gx", "int2-g", "int4x", None))
+    plan = uniform_plan(GEOM, 8, 2, name="mine")
+    plan.to_yaml("int2-good.yaml")
+    assert resolve_plan("int2-good.yaml", GEOM).name == "mine"
+    with pytest.raises(PlanError, match="plan file not found"):
+        resolve_plan("int4-missing.yaml", GEOM)
