@@ -99,6 +99,31 @@ def test_memory_in_user_units(full, searched):
     assert mix[1000]["reference"] == rows[(1000, 1)]["bpv"]
 
 
+def test_tables_count_the_measured_reference_layout(searched, tmp_path):
+    """At the reference length every table uses the plan's measured token layout, as its honest bpv does."""
+    import dataclasses
+
+    src = Plan.from_yaml(searched)
+    layout = (("text", 16), ("doc", 480), ("text", 48), ("doc", 480))  # the reference mix, interleaved
+    plan = src.replace(reference=dataclasses.replace(src.reference, layout=layout), metrics={})
+    p = tmp_path / "layout.yaml"
+    plan.to_yaml(p)
+    honest = plan.bpv().total
+    assert honest != plan.bpv(modality_mix=REF.modality_mix).total  # the layout changes the count
+    rep = json.loads(explain(p, format="json", importance=False, context_lengths=[1000]))
+    assert rep["budget"]["bpv"]["total"] == honest
+    row = {r["context_len"]: r for r in rep["memory"]}[REF.context_len]
+    assert row["bpv"] == honest
+    g = plan.geometry
+    assert row["bytes"] == pytest.approx(honest * g.num_layers * g.num_kv_heads * 2 * REF.context_len * g.head_dim / 8)
+    mix = {r["context_len"]: r for r in rep["bpv_by_mix"]["rows"]}
+    assert mix[REF.context_len]["reference"] == honest
+    assert mix[1000]["reference"] == plan.bpv(context_len=1000).total == {r["context_len"]: r["bpv"]
+                                                                          for r in rep["memory"]}[1000]
+    assert mix[REF.context_len]["all text"] == plan.bpv(modality_mix={"text": 1.0}).total
+    assert f"{REF.context_len} tokens x batch 1  : {honest:.3f} bpv" in explain(p, importance=False)
+
+
 def _hist(sources, sinks, numbers):
     n = len(sources)
     q = {"group_size": [64] * n, "residual_length": [0] * n, "sink_length": sinks, "recent_length": [0] * n,

@@ -53,10 +53,12 @@ def modality_mixes(plan: Plan) -> dict[str, dict[str, float]]:
     return mixes
 
 
-def cache_bytes(plan: Plan, context_len: int, modality_mix, batch: int = 1) -> int:
-    """Bytes the runtime cache holds for ``batch`` sequences of ``context_len`` tokens."""
+def cache_bytes(plan: Plan, context_len: int, modality_mix=None, batch: int = 1) -> int:
+    """Bytes the runtime cache holds for ``batch`` sequences of ``context_len`` tokens, laid out as
+    :meth:`Plan.bpv` lays them (no mix: the reference, its measured layout at the reference length)."""
     fp_bytes = plan.reference.full_precision_bits // 8
-    parts = plan_bytes(plan, plan.geometry, layout_labels(context_len, modality_mix), batch, fp_bytes)
+    labels = layout_labels(context_len, plan.bpv_layout(context_len, modality_mix))
+    parts = plan_bytes(plan, plan.geometry, labels, batch, fp_bytes)
     return int(sum(parts.values()))
 
 
@@ -77,11 +79,10 @@ def _fp_cache_values(plan: Plan, context_len: int) -> int:
 
 def memory_rows(plan: Plan, context_lengths, batch_sizes) -> list[dict[str, Any]]:
     """KV-cache bytes and GiB of the plan next to fp16, per (context length, batch size)."""
-    mix = plan.reference.modality_mix
     fpb = plan.reference.full_precision_bits
     rows = []
     for T in context_lengths:
-        one = cache_bytes(plan, T, mix, 1)
+        one = cache_bytes(plan, T)
         for B in batch_sizes:
             fp = _fp_cache_values(plan, T) * B * fpb // 8
             rows.append({"context_len": T, "batch": B, "bpv": 8 * one / _n_values(plan, T), "bytes": one * B,
@@ -91,10 +92,16 @@ def memory_rows(plan: Plan, context_lengths, batch_sizes) -> list[dict[str, Any]
 
 
 def mix_rows(plan: Plan, context_lengths) -> list[dict[str, Any]]:
-    """Honest bpv per context length at each of :func:`modality_mixes`."""
+    """Honest bpv per context length at each of :func:`modality_mixes` (``reference``: as
+    :meth:`Plan.bpv` counts it, the measured layout at the reference length)."""
     mixes = modality_mixes(plan)
-    return [{"context_len": T, **{name: plan.bpv(context_len=T, modality_mix=m).total for name, m in mixes.items()}}
-            for T in context_lengths]
+    rows = []
+    for T in context_lengths:
+        row: dict[str, Any] = {"context_len": T}
+        for name, m in mixes.items():
+            row[name] = plan.bpv(context_len=T, modality_mix=None if name == "reference" else m).total
+        rows.append(row)
+    return rows
 
 
 def curve_lengths(plan: Plan, extra: Sequence[int] = (), max_len: int = CURVE_MAX) -> list[int]:

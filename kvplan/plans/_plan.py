@@ -134,15 +134,21 @@ class Plan:
         reference length with no mix given, the measured ``reference.layout`` when there is one).
         """
         ref = self.reference
-        at_reference = context_len in (None, ref.context_len) and modality_mix is None
         return accounting.plan_bpv(
             self,
             geometry or self.geometry,
             context_len if context_len is not None else ref.context_len,
-            (ref.labels() if at_reference and ref.layout is not None
-             else modality_mix if modality_mix is not None else ref.modality_mix),
+            self.bpv_layout(context_len, modality_mix),
             full_precision_bits if full_precision_bits is not None else ref.full_precision_bits,
         )
+
+    def bpv_layout(self, context_len: int | None = None, modality_mix=None):
+        """The token layout :meth:`bpv` counts: the measured ``reference.layout``'s labels at the
+        reference length with no mix given, else ``modality_mix`` (default: the reference mix)."""
+        ref = self.reference
+        if context_len in (None, ref.context_len) and modality_mix is None and ref.layout is not None:
+            return ref.labels()
+        return modality_mix if modality_mix is not None else ref.modality_mix
 
     def check_geometry(self, geometry: Geometry, source: str | None = None) -> None:
         """Raise :class:`PlanError` unless this plan was made for ``geometry``."""
