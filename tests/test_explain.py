@@ -124,6 +124,28 @@ def test_tables_count_the_measured_reference_layout(searched, tmp_path):
     assert f"{REF.context_len} tokens x batch 1  : {honest:.3f} bpv" in explain(p, importance=False)
 
 
+def test_uniform_curves_keep_the_plans_window_copies(searched, tmp_path):
+    """The "uniform intN (..., 16 recent copies, 8 heavy-hitter copies)" curves count those copies."""
+    import dataclasses
+
+    src = Plan.from_yaml(searched)
+    q = dataclasses.replace(src.quantizer, recent_length=16, heavy_length=8)
+    plan = src.replace(quantizer=q)
+    p = tmp_path / "copies.yaml"
+    plan.to_yaml(p)
+    c = json.loads(explain(p, format="json", importance=False))["bpv_curve"]
+    s = next(s for s in c["series"] if s["label"].startswith("uniform int4"))
+    assert "16 recent copies" in s["label"] and "8 heavy-hitter copies" in s["label"]
+    u = uniform_plan(GEOM, 4, 4, group_size=q.group_size, residual_length=q.residual_length, key_axis=q.key_axis,
+                     value_axis=q.value_axis, sink_length=q.sink_length, modalities=MODS, reference=REF)
+    u = u.replace(quantizer=dataclasses.replace(q, key_correction_rank=0))
+    curve = dict(zip(c["context_len"], s["bpv"]))
+    for T in (300, 4096):
+        assert curve[T] == u.bpv(context_len=T).total
+        bare = u.replace(quantizer=dataclasses.replace(u.quantizer, recent_length=0, heavy_length=0))
+        assert curve[T] > bare.bpv(context_len=T).total
+
+
 def _hist(sources, sinks, numbers):
     n = len(sources)
     q = {"group_size": [64] * n, "residual_length": [0] * n, "sink_length": sinks, "recent_length": [0] * n,

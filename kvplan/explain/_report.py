@@ -140,10 +140,12 @@ def bpv_curve(plan: Plan, extra: Sequence[int] = ()) -> dict[str, Any]:
         u = uniform_plan(plan.geometry, b, b, group_size=q.group_size, residual_length=q.residual_length,
                          key_axis=q.key_axis, value_axis=q.value_axis, sink_length=q.sink_length,
                          modalities=plan.modalities, reference=plan.reference)
-        # the plan's slot formats (their scales cost what they cost in the plan) and residual
+        # the plan's slot formats (their scales cost what they cost in the plan), residual and
+        # window copies: every field the label names
         u = u.replace(quantizer=dataclasses.replace(u.quantizer, key_scaling=q.key_scaling,
                                                     value_scaling=q.value_scaling, codebooks=q.codebooks,
-                                                    residual_bits=q.residual_bits, sink_bits=q.sink_bits))
+                                                    residual_bits=q.residual_bits, sink_bits=q.sink_bits,
+                                                    recent_length=q.recent_length, heavy_length=q.heavy_length))
         series.append({"label": f"uniform int{b} ({_plain_quantizer(q)})",
                        "bpv": [u.bpv(context_len=T).total for T in Ts]})
     ref = plan.reference.context_len
