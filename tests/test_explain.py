@@ -146,6 +146,29 @@ def test_uniform_curves_keep_the_plans_window_copies(searched, tmp_path):
         assert curve[T] > bare.bpv(context_len=T).total
 
 
+def test_html_and_figures_name_the_plans_full_precision(searched, tmp_path):
+    """An fp32 plan with an 8-bit residual is not called fp16 or "full precision" in the page and figure labels."""
+    import dataclasses
+
+    from kvplan.explain._figures import bpv_title, kl_label
+
+    src = Plan.from_yaml(searched)
+    plan = src.replace(reference=dataclasses.replace(src.reference, full_precision_bits=32),
+                       quantizer=dataclasses.replace(src.quantizer, residual_bits=8))
+    p = tmp_path / "fp32.yaml"
+    plan.to_yaml(p)
+    page = tmp_path / "r.html"
+    explain(p, html=page, importance=False)
+    text = page.read_text()
+    assert "(fp32 " in text and "next to fp32 (the unquantized cache)" in text
+    assert "(fp16 " not in text and "next to fp16" not in text
+    rep = json.loads(explain(p, format="json", importance=False))
+    assert kl_label(rep) == "mean KL(P_fp32 || P_quant)"
+    assert "tokens waiting as 8-bit per-token codes until" in bpv_title(rep) and "full precision" not in bpv_title(rep)
+    fp16 = json.loads(explain(searched, format="json", importance=False))
+    assert kl_label(fp16) == "mean KL(P_fp16 || P_quant)" and "waiting in full precision" in bpv_title(fp16)
+
+
 def _hist(sources, sinks, numbers):
     n = len(sources)
     q = {"group_size": [64] * n, "residual_length": [0] * n, "sink_length": sinks, "recent_length": [0] * n,

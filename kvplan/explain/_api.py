@@ -24,7 +24,7 @@ def explain(plan_path, format: str = "text", out_dir=None, importance: bool = Tr
     ``out_dir``: write PNG figures there (allocation, bpv vs context, and with the trial
     history the Pareto front and importance), as one set. ``html``: write one self-contained
     HTML page (text, figures, provenance) atomically. ``context_lengths`` / ``batch_sizes``:
-    where the memory table is computed (bytes and GiB next to fp16).
+    where the memory table is computed (bytes and GiB next to the unquantized fp16/fp32 cache).
     """
     if format not in FORMATS:
         raise ExplainError(f"format {format!r} is not one of {list(FORMATS)}")

@@ -2,7 +2,7 @@
 
 - ``allocation``: bits per (layer x KV head), one panel per (K/V x modality), a discrete
   colour per format the plan uses, corrected key slots dotted, protected slots hatched;
-- ``bpv_context``: honest bpv against context length for the plan, fp16 and uniform plans;
+- ``bpv_context``: honest bpv against context length for the plan, full precision and uniform plans;
 - ``pareto``: calibration KL vs bpv of the trials, the front, baselines, this plan on
   calibration and test (held-out), the budget; and the search's progress;
 - ``importance``: consensus importance per component group and each slot's direction.
@@ -50,6 +50,25 @@ def _title(rep: dict) -> str:
     return (f"{rep.get('name') or os.path.basename(rep['plan'])} — {m['model_type']} ({m['num_layers']} layers x "
             f"{m['num_kv_heads']} KV heads) — honest {b['bpv']['total']:.3f} bpv at {b['reference']['context_len']} "
             f"tokens{budget}")
+
+
+def full_precision(rep: dict) -> str:
+    """The unquantized cache's name: ``fp16`` or ``fp32`` (the plan's ``full_precision_bits``)."""
+    return f"fp{rep['budget']['reference']['full_precision_bits']}"
+
+
+def bpv_title(rep: dict) -> str:
+    """Second title line of the bpv figure: the quantizer and how tokens wait before a group fills."""
+    q = rep["quantizer"]
+    rb = q.get("residual_bits", 16)
+    held = "in full precision" if rb == 16 else f"as {rb}-bit per-token codes"
+    return (f"bpv vs context: group {q['group_size']}, residual {q['residual_length']}, sink {q['sink_length']} "
+            f"(teeth: tokens waiting {held} until a group is full)")
+
+
+def kl_label(rep: dict) -> str:
+    """The Pareto figure's y axis: KL of the quantized model's next-token distribution from the full-precision one."""
+    return f"mean KL(P_{full_precision(rep)} || P_quant)"
 
 
 def allocation_figure(rep: dict) -> bytes:
@@ -125,10 +144,7 @@ def bpv_figure(rep: dict) -> bytes:
     ax.set_ylabel("honest bits per value")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
-    q = rep["quantizer"]
-    ax.set_title(f"{_title(rep)}\nbpv vs context: group {q['group_size']}, residual {q['residual_length']}, "
-                 f"sink {q['sink_length']} (teeth: tokens waiting in full precision until a group is full)",
-                 fontsize=9)
+    ax.set_title(f"{_title(rep)}\n{bpv_title(rep)}", fontsize=9)
     return _png(fig)
 
 
@@ -180,7 +196,7 @@ def pareto_figure(rep: dict) -> bytes:
         ax.axvline(b, ls="--", color="grey", lw=0.9, label=f"budget {b:g} bpv")
     _log_y(ax)
     ax.set_xlabel("honest bpv (at the plan's reference)")
-    ax.set_ylabel("mean KL(P_fp16 || P_quant)")
+    ax.set_ylabel(kl_label(rep))
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=7, loc="lower left")
     ax.set_title("trials, front and this plan (calibration; test = held-out samples)", fontsize=9)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import html
 
+from ._figures import full_precision
 from ._text import render_text
 
 CSS = """
@@ -30,8 +31,8 @@ td, th { border: 1px solid #d9dde6; padding: 4px 10px; text-align: left; font-si
 CAPTIONS = {
     "allocation": "Bits per (layer x KV head) slot, one panel per K/V and token modality; dots: key slots that "
                   "also store the key correction; hatching: protected slots.",
-    "bpv_context": "Honest bits per value against context length, next to fp16 and uniform plans with the same "
-                   "quantizer; the star is the plan's reference point.",
+    "bpv_context": "Honest bits per value against context length, next to {fp} (the unquantized cache) and uniform "
+                   "plans with the same quantizer; the star is the plan's reference point.",
     "pareto": "Calibration KL of every trial against honest bpv, the Pareto front, the study's baselines and this "
               "plan on calibration and test (held-out) samples; right: the search's progress.",
     "importance": "Consensus importance per component group and, for the top slots, which way their bits move "
@@ -49,7 +50,7 @@ def _cards(rep: dict) -> list[tuple[str, str]]:
             cards.append((f"{d['kl']:.4g}", f"mean KL, {d['label']}"))
     m = rep["memory"][-1]
     cards.append((f"{m['gib']:.3g} GiB", f"KV cache at {m['context_len']} tokens x {m['batch']} "
-                                          f"(fp16 {m['fp16_gib']:.3g} GiB)"))
+                                          f"({full_precision(rep)} {m['fp16_gib']:.3g} GiB)"))
     return cards
 
 
@@ -86,7 +87,8 @@ def render_html(rep: dict, pngs: dict[str, bytes]) -> str:
     for name, data in pngs.items():
         b64 = base64.b64encode(data).decode("ascii")
         out.append(f'<figure id="{e(name)}"><img alt="{e(name)}" src="data:image/png;base64,{b64}">'
-                   f"<figcaption>{e(CAPTIONS.get(name, name))}</figcaption></figure>")
+                   f"<figcaption>{e(CAPTIONS.get(name, name).format(fp=full_precision(rep)))}</figcaption>"
+                   "</figure>")
     out.append("<h2>Report</h2><pre>" + e(render_text(rep)) + "</pre>")
     out.append("<h2>Provenance</h2><table>")
     out += [f"<tr><th>{e(str(k))}</th><td>{e(str(v))}</td></tr>" for k, v in _provenance(rep)]

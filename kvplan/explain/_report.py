@@ -78,7 +78,8 @@ def _fp_cache_values(plan: Plan, context_len: int) -> int:
 
 
 def memory_rows(plan: Plan, context_lengths, batch_sizes) -> list[dict[str, Any]]:
-    """KV-cache bytes and GiB of the plan next to fp16, per (context length, batch size)."""
+    """KV-cache bytes and GiB of the plan next to the unquantized cache, per (context length, batch size):
+    ``fp16_bytes`` / ``fp16_gib`` hold it at the reference's ``full_precision_bits`` (fp32 too)."""
     fpb = plan.reference.full_precision_bits
     rows = []
     for T in context_lengths:
@@ -130,7 +131,7 @@ def _plain_quantizer(q) -> str:
 
 
 def bpv_curve(plan: Plan, extra: Sequence[int] = ()) -> dict[str, Any]:
-    """bpv against context length for the plan, fp16 and uniform plans with the plan's quantizer."""
+    """bpv against context length for the plan, full precision and uniform plans with the plan's quantizer."""
     Ts = curve_lengths(plan, extra)
     q = plan.quantizer
     series = [{"label": "this plan", "bpv": [plan.bpv(context_len=T).total for T in Ts]},
