@@ -106,3 +106,38 @@ def test_cli_reports_the_plan_and_the_warning(searched, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "honest bpv" in r.stdout and f"warning: {paths['trials']}: ignored: no column kl, bits" in r.stdout
+
+
+def _edit_rows(path, change):
+    """Rewrite the trials CSV with ``change(rows)`` (rows as dicts)."""
+    import csv
+
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    rows = change(rows)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+NO_SIGNAL = {  # id -> (rows change, text of the missing line)
+    "constant-kl": (lambda rows: [{**r, "kl": "0.05"} for r in rows], "the calibration KL is 0.05 in all 20 trials"),
+    "nothing-varies": (lambda rows: [{**rows[5], "number": str(i), "kl": str(0.08 + 0.001 * i)} for i in range(8)],
+                       "no slot's bits and none of group_size, residual_length, key_axis, sink_length, recent_length "
+                       "vary across the 8 trials"),
+}
+
+
+@pytest.mark.parametrize("case", list(NO_SIGNAL))
+def test_history_without_signal_ranks_nothing(searched, tmp_path, case):
+    """A history whose KL or components never vary gets a missing line, not a ranking of equal or zero shares."""
+    change, needle = NO_SIGNAL[case]
+    paths = copy_plan(searched, tmp_path)
+    _edit_rows(paths["trials"], change)
+    rep = json.loads(explain(paths["plan"], format="json"))
+    assert rep["history"]["n_trials"] == (20 if case == "constant-kl" else 8)
+    assert "importance" not in rep and rep["warnings"] == []
+    assert rep["missing"] == [f"consensus importance ({needle}: nothing to rank)"]
+    txt = render_text(rep)
+    assert f"missing: consensus importance ({needle}" in txt and "% of consensus importance" not in txt

@@ -252,13 +252,20 @@ def history_section(hist: TrialHistory, search: dict | None) -> dict[str, Any]:
     return sec
 
 
-def _importance(hist: TrialHistory, mods, shape, seed: int) -> dict[str, Any]:
+def _importance(hist: TrialHistory, mods, shape, seed: int) -> dict[str, Any] | str:
+    """The consensus importance section, or why the history cannot rank anything (a ``missing:`` line)."""
     from ..surrogates import component_importance, importance_from_history
     from ._direction import slot_direction
 
     q_fields = {k: hist.quantizer[k] for k in ("group_size", "residual_length", "key_axis", "sink_length",
                                                "recent_length")}
     imp = importance_from_history(hist.codes, q_fields, hist.kl, mods, seed=seed)
+    if not imp.consensus.any():  # a constant KL or no varied column: nothing to attribute
+        if np.ptp(np.asarray(hist.kl, dtype=np.float64)) == 0:
+            why = f"the calibration KL is {hist.kl[0]:.4g} in all {len(hist)} trials"
+        else:
+            why = f"no slot's bits and none of {', '.join(q_fields)} vary across the {len(hist)} trials"
+        return f"consensus importance ({why}: nothing to rank)"
     comp = component_importance(imp, shape, mods)
     top_slots = dict(sorted(comp["slot"].items(), key=lambda kv: -kv[1])[:15])
     return {
@@ -329,7 +336,11 @@ def report(plan_path, importance: bool = True, seed: int = 0, context_lengths: S
         if hist.hosts:
             rep["history"]["measured_on"] = dict(hist.hosts)  # host -> trials (several workers)
         if importance and len(hist) >= 5:
-            rep["importance"] = _importance(hist, mods, plan.code_table().shape, seed)
+            imp = _importance(hist, mods, plan.code_table().shape, seed)
+            if isinstance(imp, str):
+                rep["missing"].append(imp)
+            else:
+                rep["importance"] = imp
         elif importance:
             rep["missing"].append(f"consensus importance (only {len(hist)} trials in the history; need >= 5)")
     if search:

@@ -10,7 +10,9 @@ varied plan-wide quantizer fields -> log-KL). Importance is computed three ways:
 
 Each is normalized to sum 1 and the three are summed (then divided by 3): the consensus,
 reported as percentages per slot and per component group (K vs V, modality, layer,
-physical KV head, quantizer field).
+physical KV head, quantizer field). A method that finds nothing (all 0) stays all 0 and
+the consensus averages the others; with no varied column or a constant target every
+method and the consensus are all 0: there is nothing to attribute.
 
 Columns identical across all trials (e.g. every slot of one searched group in a coarse
 granularity) are merged before fitting and their importance is split evenly between
@@ -36,7 +38,8 @@ METHODS = ("impurity", "permutation", "shap")
 
 @dataclass
 class Importance:
-    """Per-feature importance (fractions summing to 1 per method and for the consensus)."""
+    """Per-feature importance (fractions summing to 1 per method and for the consensus; all 0 where
+    nothing was found)."""
 
     names: list[str]
     methods: dict[str, np.ndarray]
@@ -53,9 +56,10 @@ class Importance:
 
 
 def _normalize(v: np.ndarray) -> np.ndarray:
+    """Shares summing to 1 (negative entries count 0), or all 0 when nothing is positive."""
     v = np.clip(np.nan_to_num(np.asarray(v, dtype=np.float64)), 0, None)
     s = v.sum()
-    return v / s if s > 0 else np.full_like(v, 1.0 / len(v))
+    return v / s if s > 0 else np.zeros_like(v)
 
 
 def consensus_importance(X: np.ndarray, y: np.ndarray, names: list[str], seed: int = 0, n_estimators: int = 200,
@@ -70,7 +74,7 @@ def consensus_importance(X: np.ndarray, y: np.ndarray, names: list[str], seed: i
     for j in varied:
         uniq.setdefault(X[:, j].tobytes(), []).append(int(j))
     reps = [cols[0] for cols in uniq.values()]
-    if not reps or n < 3:
+    if not reps or n < 3 or not np.ptp(y) > 0:  # nothing varies, or nothing to explain
         z = np.zeros(F)
         return Importance(list(names), {m: z.copy() for m in METHODS}, z, n)
     Xr = X[:, reps]
@@ -104,7 +108,8 @@ def consensus_importance(X: np.ndarray, y: np.ndarray, names: list[str], seed: i
         for cols, val in zip(uniq.values(), v):
             out[cols] = val / len(cols)
         full[m] = out
-    consensus = sum(full[m] for m in METHODS) / len(METHODS)
+    found = [m for m in METHODS if full[m].any()]
+    consensus = sum(full[m] for m in found) / len(found) if found else np.zeros(F)
     r2 = float(rf.oob_score_) if n >= 10 else None
     return Importance(list(names), full, consensus, n, r2, times)
 

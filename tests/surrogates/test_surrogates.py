@@ -92,6 +92,18 @@ def test_duplicate_and_constant_columns():
     assert imp.consensus[0] + imp.consensus[1] > 0.75
 
 
+def test_nothing_to_attribute_gives_no_shares():
+    """A constant target, or a method that finds nothing, is all 0, never equal shares."""
+    from kvplan.surrogates.importance import _normalize
+
+    assert _normalize(np.array([0.0, 0.0, 0.0])).tolist() == [0.0, 0.0, 0.0]
+    assert _normalize(np.array([-1.0, 0.0])).tolist() == [0.0, 0.0]
+    assert _normalize(np.array([1.0, 3.0])).tolist() == [0.25, 0.75]
+    X = np.random.default_rng(2).normal(size=(30, 4))
+    imp = consensus_importance(X, np.full(30, 0.5), ["a", "b", "c", "d"], seed=0, n_estimators=20)
+    assert not imp.consensus.any() and not any(v.any() for v in imp.methods.values())
+
+
 def test_component_importance_groups():
     t = _tables(60, seed=3)
     kl = np.exp(-2 * np.log2(t[:, 1, 0, 0, 1]))  # layer 1, head 0, K, doc drives KL
