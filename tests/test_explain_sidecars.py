@@ -141,3 +141,16 @@ def test_history_without_signal_ranks_nothing(searched, tmp_path, case):
     assert rep["missing"] == [f"consensus importance ({needle}: nothing to rank)"]
     txt = render_text(rep)
     assert f"missing: consensus importance ({needle}" in txt and "% of consensus importance" not in txt
+
+
+def test_hosts_print_as_plain_names(searched, tmp_path):
+    """The "trials measured on" line names hosts as written (no repr quotes), long ones cut, odd ones escaped."""
+    paths = copy_plan(searched, tmp_path)
+    long = "node-" + "x" * 100
+    hosts = ["gpu-1", long, "bad\nhost"]
+    _edit_rows(paths["trials"], lambda rows: [{**r, "host": hosts[i % 3]} for i, r in enumerate(rows)])
+    rep = json.loads(explain(paths["plan"], format="json", importance=False))
+    short = long[:57] + "..."
+    assert rep["history"]["measured_on"] == {"gpu-1": 7, short: 7, "bad\\nhost": 6}
+    line = [l for l in render_text(rep).splitlines() if l.startswith("trials measured on")]
+    assert line == [f"trials measured on (host: trials): gpu-1: 7, {short}: 7, bad\\nhost: 6"]

@@ -51,6 +51,12 @@ def show(v, limit: int = 60) -> str:
     return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
+def plain(v, limit: int = 60) -> str:
+    """``v`` as text for a report line: no quotes, control characters escaped, at most ``limit`` characters."""
+    s = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(v))
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
 @dataclass
 class TrialHistory:
     """The usable trials of a ``.trials.csv``: format-code tables ``[N, L, H, 2, M]`` and per-trial fields."""
@@ -162,7 +168,7 @@ def read_trials(path: str, shape: tuple[int, ...], warnings: list[str]) -> Trial
             quant[k].append(r.get(k) or "")
         run_ids.add(str(r.get("run_id") or ""))
         if r.get("host"):
-            h = show(r["host"], 60)
+            h = plain(r["host"], 60)
             hosts[h] = hosts.get(h, 0) + 1
     if skipped:
         line, why = skipped[0]
