@@ -326,12 +326,25 @@ def _load_image(path: str, rec: dict[str, Any]):
         raise TaskError(f"{where}: cannot read image {full} ({e})") from None
 
 
-def _media_prompt(rec: dict[str, Any], processor, images: list, frames: list) -> tuple[str, dict[str, Any]]:
-    """The processor's text (one placeholder per image, then one for the clip, each on its own
-    line so that they are separate runs of visual tokens, then the history) and media inputs."""
+def _vision_brackets(config, processor) -> tuple[str, str]:
+    """The tokens the model's chat template writes around each image or clip placeholder
+    (``<|vision_start|>`` / ``<|vision_end|>`` of the Qwen-VL family, named by its config), or
+    ``("", "")`` where the processor writes them itself (Gemma 3's begin/end of image) or there are none."""
+    ids = [getattr(config, name, None) for name in ("vision_start_token_id", "vision_end_token_id")]
+    if None in ids:
+        return "", ""
+    start, end = _tokenizer_of(processor).convert_ids_to_tokens(ids)
+    return (start, end) if start and end else ("", "")
+
+
+def _media_prompt(rec: dict[str, Any], processor, images: list, frames: list, config) -> tuple[str, dict[str, Any]]:
+    """The processor's text (one placeholder per image, then one for the clip, each between the model's
+    vision brackets as its chat template writes them and on its own line, so that they are separate
+    runs of visual tokens, then the history) and media inputs."""
     import numpy as np
 
     where = f"record {rec.get('id')} (line {rec.get('_line', '?')})"
+    start, end = _vision_brackets(config, processor)
     text, media = "", {}
     for kind, items, token_attr in (("images", images, "image_token"), ("video", frames, "video_token")):
         if not items:
@@ -340,6 +353,7 @@ def _media_prompt(rec: dict[str, Any], processor, images: list, frames: list) ->
         if token is None:
             raise TaskError(f"{where}: has {kind} but the model's processor has no {token_attr.replace('_', ' ')} "
                             "(is this a vision-language model?)")
+        token = start + token + end
         if kind == "images":
             text += "".join(token + "\n" for _ in items)
             media["images"] = items
@@ -359,7 +373,7 @@ def encode_user_record(rec: dict[str, Any], model, processor, labelling: Labelli
     images = [_load_image(p, rec) for p in rec.get("images") or []]
     frames = [_load_image(p, rec) for p in rec.get("video") or []]
     if images or frames:
-        text, media = _media_prompt(rec, processor, images, frames)
+        text, media = _media_prompt(rec, processor, images, frames, model.config)
         enc = processor(text=[text], return_tensors="pt", **media)
         ids = enc["input_ids"][0].tolist()
         extra = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}

@@ -116,6 +116,12 @@ def test_user_jsonl_task_on_tiny_vlm(tmp_path, tok, build):
     n_video = clip.history_ids.count(video_id)
     assert n_video > 0 and clip.history_labels.count("visual") == n_video
     assert any("video" in k for k in clip.prefill_inputs)
+    start = getattr(model.config, "vision_start_token_id", None)  # Qwen-VL: its chat template's brackets
+    if start is not None:
+        for s, token_id in ((s0, model.config.image_token_id), (clip, video_id)):
+            first = s.history_ids.index(token_id)
+            last = len(s.history_ids) - 1 - s.history_ids[::-1].index(token_id)
+            assert s.history_ids[first - 1] == start and s.history_ids[last + 1] == model.config.vision_end_token_id
     prepared = prepare_samples(model, samples, pad_id=pad_token_id(proc), progress=False)
     mods = ("text", "visual")
     fp = evaluate(model, named_plan("fp16", model, modalities=mods, residual_length=0), prepared, progress=False)
