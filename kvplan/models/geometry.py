@@ -10,6 +10,22 @@ LAYER_TYPES = ("full", "sliding")
 MAX_SLIDING_WINDOW = 2 ** 24
 
 
+def storage_bits(model) -> int:
+    """Bits a full-precision cached value takes on ``model``: its dtype's (32 for float32; 16 for float16 and
+    bfloat16). Other dtypes are refused: a plan states its full-precision storage as 16 or 32 bits."""
+    import torch
+
+    from ..errors import KVPlanError
+
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float32:
+        return 32
+    if dtype in (torch.float16, torch.bfloat16):
+        return 16
+    raise KVPlanError(f"model dtype {str(dtype).removeprefix('torch.')}: kvplan caches float32, float16 or bfloat16 "
+                      "models (cast it with model.to(torch.float32), for example)")
+
+
 def text_config(config):
     """The decoder's text config of a transformers config: a VLM's language model's, a text model's own."""
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config

@@ -3,25 +3,26 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
+import types
 import warnings
 
 import torch
 
 from ..errors import PlanError
-from ..models.geometry import Geometry
+from ..models.geometry import Geometry, storage_bits, text_config
 from ..models.modality import Labelling, resolve_labelling
 from ..models.rope import rope_inv_freq
-from ..plans import BASELINES, Plan, baseline_plan, is_baseline_name
+from ..plans import BASELINES, Plan, Reference, baseline_plan, is_baseline_name
 from .cache import KVPlanCache
 
 
 def resolve_plan(plan, model_or_geometry, labelling: Labelling | None = None) -> Plan:
     """A :class:`Plan` from a Plan, a YAML path, or a baseline name (``int4``, ``k4v2-g64``...),
     checked against the model's geometry. A baseline covers the modalities ``labelling``
-    (default: token ids) gives the model's prompts, and records that labelling."""
+    (default: token ids) gives the model's prompts, records that labelling, and states its bpv at the
+    model's full-precision width (fp32: 32 bits; given a :class:`Geometry` or a config, 16)."""
     geometry = Geometry.of(model_or_geometry)
     source = None
     if isinstance(plan, Plan):
@@ -31,10 +32,12 @@ def resolve_plan(plan, model_or_geometry, labelling: Labelling | None = None) ->
         resolved = Plan.from_yaml(plan)
     elif is_baseline_name(plan):
         labelling = resolve_labelling(labelling)
+        width = {"reference": Reference(full_precision_bits=storage_bits(model_or_geometry))} if hasattr(
+            model_or_geometry, "parameters") else {}
         resolved = baseline_plan(plan, geometry, modalities=labelling.modalities(_config(model_or_geometry)),
-                                 labelling=labelling.name)
-    elif isinstance(plan, str) and plan.endswith((".yaml", ".yml")):
-        raise PlanError("<file>", "plan file not found", plan)
+                                 labelling=labelling.name, **width)
+    elif isinstance(plan, (str, os.PathLike)) and os.fspath(plan).endswith((".yaml", ".yml")):
+        raise PlanError("<file>", "plan file not found", os.fspath(plan))
     else:
         raise PlanError("plan", f"expected a Plan, a YAML file path or a baseline name {sorted(BASELINES)}", plan)
     resolved.check_geometry(geometry, source=source)
@@ -164,34 +167,79 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
     ``kvplan.unload(model)`` restores the original ``generate`` and attention.
     """
     labelling = resolve_labelling(labelling)
+    source = os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else None
     resolved = resolve_plan(plan, model, labelling)
-    check_modalities(resolved, model, source=os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else None,
-                     labelling=labelling)
+    check_modalities(resolved, model, source=source, labelling=labelling)
+    _check_storage_width(resolved, model, source)
     kernel = _attention_kernel(model, attention)
-    unload(model)
     # heavy-hitter copies are chosen by a prompt's attention, and streamed KV heads mask what they do not
     # store: kvplan's attention function runs on the dequantize route too
-    _install_attention(model, kernel, observe=resolved.quantizer.heavy_length > 0 or streams(resolved))
-    original = model.generate
-
-    @functools.wraps(original)
-    def generate(*args, **kwargs):
-        given = kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
-        # transformers names generate's first parameter `inputs`; `input_ids=` is the usual keyword
-        input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-        mask = kwargs.get("attention_mask")
-        if given is None and kwargs.get("use_cache", True):
-            _require_ids(resolved, input_ids, None)
-            kwargs["cache"] = make_cache(model, resolved, input_ids, mask)
-        elif isinstance(given, KVPlanCache):  # the caller's cache: fresh, reset, or a conversation's so far
-            _label_new_prompt(model, given, input_ids, mask)
-        return original(*args, **kwargs)
-
-    generate._kvplan_original = original
-    model.generate = generate
+    observe = resolved.quantizer.heavy_length > 0 or streams(resolved)
+    if kernel is not None or observe:
+        _check_attention_features(model, attention)
+    unload(model)
+    _install_attention(model, kernel, observe=observe)
+    # bound methods, so that a deepcopy of the model generates with the copy, not with this model
+    model._kvplan_original_generate = model.generate
+    model.generate = types.MethodType(_generate, model)
     model.kvplan_plan = resolved
     model._kvplan_labelling = labelling
     return model
+
+
+def _generate(self, *args, **kwargs):
+    """``generate`` of a model under :func:`kvplan.load`: a fresh :class:`KVPlanCache` following
+    ``self.kvplan_plan`` for each call (unless caching is off), or the caller's one prepared for the
+    prompt; then the model's own ``generate``."""
+    given = kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+    # transformers names generate's first parameter `inputs`; `input_ids=` is the usual keyword
+    input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    mask = kwargs.get("attention_mask")
+    if given is None and _uses_cache(self, kwargs):
+        _require_ids(self.kvplan_plan, input_ids, None)
+        kwargs["cache"] = make_cache(self, self.kvplan_plan, input_ids, mask)
+    elif isinstance(given, KVPlanCache):  # the caller's cache: fresh, reset, or a conversation's so far
+        _label_new_prompt(self, given, input_ids, mask)
+    return self._kvplan_original_generate(*args, **kwargs)
+
+
+def _uses_cache(model, kwargs) -> bool:
+    """``use_cache`` as ``generate`` resolves it: the keyword, else the ``generation_config`` passed,
+    else the model's own generation config (default on)."""
+    if kwargs.get("use_cache") is not None:
+        return bool(kwargs["use_cache"])
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return bool(getattr(config, "use_cache", True))
+
+
+def _check_storage_width(plan: Plan, model, source: str | None) -> None:
+    """Warn when the plan states its bpv at another full-precision width than ``model`` stores (a plan
+    searched on an fp32 CPU model, deployed in bf16): the tokens it holds at full precision then take
+    the model's width, so the cache's bpv is not the stated one. Refuses dtypes kvplan does not store."""
+    bits = storage_bits(model)
+    stated = plan.reference.full_precision_bits
+    if bits == stated:
+        return
+    mine, theirs = plan.bpv().total, plan.bpv(full_precision_bits=bits).total
+    if not math.isclose(mine, theirs, rel_tol=1e-12):
+        warnings.warn(f"{source or 'plan'}: states its bpv at {stated}-bit full-precision storage, but this model "
+                      f"caches {bits}-bit values: its cache holds {theirs:.4f} bpv at {plan.reference.context_len} "
+                      f"tokens, not the stated {mine:.4f} (the tokens it keeps at full precision)", stacklevel=3)
+
+
+def _check_attention_features(model, attention: str) -> None:
+    """Refuse kvplan's attention function for a model whose attention it does not implement: logit
+    soft-capping (Gemma 2) or learned attention sinks (GPT-OSS) would be dropped, silently."""
+    cfg = text_config(model.config)
+    feature = None
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        feature = "caps its attention logits (attn_logit_softcapping)"
+    elif any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
+        feature = "has learned attention sinks (an attention module's `sinks`)"
+    if feature is not None:
+        raise PlanError("attention", f"this model {feature}, which kvplan's attention kernels do not implement: "
+                        "use attention='dequantize' (the model's own attention over the dequantized cache), "
+                        "with a plan that neither streams KV heads nor keeps heavy-hitter copies", attention)
 
 
 def _require_ids(plan: Plan, input_ids, cache: KVPlanCache | None) -> None:
@@ -224,8 +272,9 @@ def _label_new_prompt(model, cache: KVPlanCache, input_ids, attention_mask) -> N
 def unload(model):
     """Undo :func:`load`."""
     gen = model.__dict__.get("generate")
-    if gen is not None and hasattr(gen, "_kvplan_original"):
+    if getattr(gen, "__func__", None) is _generate:
         del model.generate
+        model.__dict__.pop("_kvplan_original_generate", None)
     model.__dict__.pop("kvplan_plan", None)
     model.__dict__.pop("_kvplan_labelling", None)
     _remove_attention(model)
@@ -240,7 +289,7 @@ def _install_attention(model, kernel, observe: bool = False) -> None:
         return
     from . import fused
 
-    model._kvplan_previous_attention = model.config._attn_implementation
+    model._kvplan_previous_attention = text_config(model.config)._attn_implementation
     fused.set_text_attention(model, fused.register())
     model._kvplan_attention_kernel = kernel
 
@@ -274,6 +323,8 @@ def attention_route(model, attention: str = "auto", plan: Plan | None = None):
     saved = {k: model.__dict__[k] for k in ("_kvplan_attention_kernel", "_kvplan_previous_attention")
              if k in model.__dict__}
     observe = plan is not None and streams(plan)
+    if kernel is not None or observe:
+        _check_attention_features(model, attention)
     _install_attention(model, kernel, observe=observe)
     try:
         yield model

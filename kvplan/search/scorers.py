@@ -23,7 +23,7 @@ import hashlib
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from ..models.geometry import Geometry
+from ..models.geometry import Geometry, storage_bits
 from ..models.modality import TOKEN_IDS
 from ..plans import Plan, Reference
 from ..plans.accounting import label_runs
@@ -145,14 +145,6 @@ class TaskScorers:
     calibration: HarnessScorer
     validation: HarnessScorer | None
     test: HarnessScorer | None
-
-
-def storage_bits(model) -> int:
-    """Bits a full-precision cached value takes on ``model`` (its dtype: 32 for fp32, else 16)."""
-    import torch
-
-    dtype = next(model.parameters()).dtype
-    return 32 if dtype == torch.float32 else 16
 
 
 DEFAULT_SAMPLES = {"calibration": 12, "validation": 16, "test": 16}  # of the built-in task
