@@ -180,6 +180,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
     """
     import torch
     import transformers
+    from safetensors import SafetensorError
 
     kwargs = {}
     if dtype is not None:
@@ -208,9 +209,9 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
     try:
         with _gguf_parsed_once() if "gguf_file" in kwargs else contextlib.nullcontext():
             model, proc = _load(transformers, name, source, kwargs)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # e.g. a truncated model.safetensors
         where = "" if from_cache is None else f" (from its cached conversion {from_cache}: delete that folder to convert again)"
-        raise ModelLoadError(f"cannot load model {name!r}{where}: {str(e).splitlines()[0]}") from e
+        raise ModelLoadError(f"cannot load model {name!r}{where}: {_first_line(e)}") from e
     if save_to is not None:
         _save_converted(model, proc, save_to)
     model.eval()
@@ -218,6 +219,11 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
     if device:
         model.to(device)
     return model, proc
+
+
+def _first_line(e: BaseException) -> str:
+    """The first non-empty line of an exception's text (its type name when it has none)."""
+    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
 def _load(transformers, name: str, source: str, kwargs: dict):

@@ -123,3 +123,36 @@ def test_a_vlm_processor_that_needs_torchvision_is_one_line(tmp_path, monkeypatc
     assert code == 2 and len(err) == 1, err
     assert "cannot load the processor of model" in err[0] and "requires the Torchvision library" in err[0]
     assert "pip install torch==2.14.1 torchvision==0.29.1" in err[0]
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def test_a_truncated_safetensors_file_is_a_model_load_error(tmp_path):
+    """safetensors' own ``SafetensorError`` (neither OSError nor ValueError) used to escape unwrapped."""
+    from kvplan import load_model
+    from kvplan.errors import ModelLoadError
+    from tests.tiny_models import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "m")
+    _truncate(tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"cannot load model .*: .*") as e:
+        load_model(str(tmp_path / "m"))
+    assert "\n" not in str(e.value) and "delete that folder" not in str(e.value)
+
+
+def test_a_truncated_cached_conversion_says_to_delete_its_folder(tmp_path, monkeypatch):
+    from kvplan.errors import ModelLoadError
+    from kvplan.models import loading
+    from tests.tiny_models import tiny_llama
+
+    monkeypatch.setenv("KVPLAN_CACHE_DIR", str(tmp_path))
+    folder, gguf = loading.default_model_path()
+    converted = loading.converted_gguf_dir(os.path.join(folder, gguf))
+    tiny_llama().save_pretrained(converted)  # a real config.json, a damaged model.safetensors
+    _truncate(os.path.join(converted, "model.safetensors"))
+    with pytest.raises(ModelLoadError) as e:
+        loading.load_model()
+    assert converted in str(e.value) and "delete that folder" in str(e.value) and "\n" not in str(e.value)
