@@ -187,6 +187,17 @@ def _torch_dtype(dtype):
     return getattr(torch, name)
 
 
+def _path_like(name: str) -> bool:
+    """Whether ``name`` means a local path, never a hub id: absolute, ``~...``, ``.``/``..`` or under them, or
+    a relative path whose parent folder exists."""
+    seps = tuple(sep for sep in (os.sep, os.altsep) if sep)
+    if os.path.isabs(name) or name.startswith("~") or name in (".", ".."):
+        return True
+    if name.startswith(tuple(dots + sep for dots in (".", "..") for sep in seps)):
+        return True
+    return any(sep in name for sep in seps) and os.path.isdir(os.path.dirname(name))
+
+
 def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None):
     """Load ``(model, tokenizer_or_processor)``.
 
@@ -214,7 +225,11 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
         if not os.path.isfile(name):
             raise ModelLoadError(f"GGUF file not found: {name}")
         source, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(name)), os.path.basename(name)
-    else:
+    elif _path_like(name):
+        source = os.path.expanduser(name)
+        if not os.path.exists(source):
+            raise ModelLoadError(f"model directory not found: {name}")
+    else:  # a hub id, or a directory named like one
         source = name
     if "gguf_file" in kwargs and importlib.util.find_spec("gguf") is None:
         raise ModelLoadError("loading a GGUF file needs the 'gguf' package: pip install gguf accelerate")

@@ -191,3 +191,43 @@ def test_dtype_takes_a_torch_dtype_or_its_name(tmp_path, monkeypatch, dtype, exp
     monkeypatch.setattr(loading, "_load", fake_load)
     loading.load_model(str(tmp_path), dtype=dtype)
     assert seen.get("dtype") is expected
+
+
+@pytest.mark.parametrize("name", ["{tmp}/does/not/exist", "{tmp}/missing", "./no-such-dir", "../no-such-dir",
+                                  "sub/no-such-model", "~/no-such-model"])
+def test_a_missing_local_path_is_not_found(tmp_path, monkeypatch, name):
+    """Path-like names that do not exist used to reach the hub and come back as repo-id syntax errors."""
+    from kvplan.errors import ModelLoadError
+    from kvplan.models import loading
+
+    def no_hub(*args):
+        raise AssertionError("a path-like name reached transformers")
+
+    monkeypatch.setattr(loading, "_load", no_hub)
+    (tmp_path / "cwd" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    name = name.format(tmp=tmp_path)
+    with pytest.raises(ModelLoadError, match="model directory not found: ") as e:
+        loading.load_model(name)
+    assert str(e.value).endswith(name)
+
+
+@pytest.mark.parametrize("name, source", [("someorg/some-model", "someorg/some-model"), ("gpt2", "gpt2"),
+                                          ("~/models/m", "{home}/models/m"), ("./models/m", "./models/m")])
+def test_hub_ids_and_existing_paths_reach_transformers(tmp_path, monkeypatch, name, source):
+    """A hub id (even one whose first part is no local folder) still goes to transformers, and ``~`` is expanded."""
+    from kvplan.models import loading
+
+    seen = []
+
+    def fake_load(transformers, name, source, kwargs):
+        seen.append(source)
+        return torch.nn.Linear(1, 1), None
+
+    monkeypatch.setattr(loading, "_load", fake_load)
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    loading.load_model(name)
+    assert seen == [source.format(home=tmp_path)]
