@@ -221,10 +221,11 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
         source, kwargs["gguf_file"] = folder, gguf
     elif name == GEMMA3_MODEL:
         source, kwargs["gguf_file"] = gemma3_model_path()
-    elif name.endswith(".gguf"):
-        if not os.path.isfile(name):
+    elif name.lower().endswith(".gguf"):  # also *.GGUF
+        path = os.path.expanduser(name)
+        if not os.path.isfile(path):
             raise ModelLoadError(f"GGUF file not found: {name}")
-        source, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(name)), os.path.basename(name)
+        source, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     elif _path_like(name):
         source = os.path.expanduser(name)
         if not os.path.exists(source):

@@ -231,3 +231,28 @@ def test_hub_ids_and_existing_paths_reach_transformers(tmp_path, monkeypatch, na
     monkeypatch.setenv("HOME", str(tmp_path))
     loading.load_model(name)
     assert seen == [source.format(home=tmp_path)]
+
+
+@pytest.mark.parametrize("suffix", [".gguf", ".GGUF", ".Gguf"])
+def test_a_gguf_file_is_recognised_whatever_the_case_of_its_suffix(tmp_path, monkeypatch, suffix):
+    """``*.GGUF`` used to go to transformers as a model directory: 'config file ... is not a valid JSON file'."""
+    from kvplan.errors import ModelLoadError
+    from kvplan.models import loading
+
+    seen = []
+
+    def fake_load(transformers, name, source, kwargs):
+        seen.append((source, kwargs.get("gguf_file")))
+        return torch.nn.Linear(1, 1), None
+
+    monkeypatch.setattr(loading, "_load", fake_load)
+    monkeypatch.setenv("KVPLAN_MODEL_CACHE", "0")
+    folder, gguf = loading.default_model_path()
+    link = tmp_path / f"model{suffix}"
+    link.symlink_to(os.path.join(folder, gguf))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    loading.load_model(str(link))
+    loading.load_model(f"~/model{suffix}")
+    assert seen == [(str(tmp_path), link.name)] * 2
+    with pytest.raises(ModelLoadError, match=f"GGUF file not found: .*missing{suffix}"):
+        loading.load_model(str(tmp_path / f"missing{suffix}"))
