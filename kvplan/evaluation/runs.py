@@ -45,13 +45,11 @@ def get_model(model="smollm2-135m", dtype: str = "float32"):
     """``(model, processor)``: a name/path loaded once per process, or a ``(model, processor)`` pair as is."""
     if isinstance(model, tuple):
         return model
-    import torch
-
     from ..models import load_model
 
     key = (model, dtype)
     if key not in _MODELS:
-        _MODELS[key] = load_model(model, dtype=getattr(torch, dtype))
+        _MODELS[key] = load_model(model, dtype=dtype)  # a dtype name: load_model checks it
     return _MODELS[key]
 
 

@@ -256,3 +256,12 @@ def test_a_gguf_file_is_recognised_whatever_the_case_of_its_suffix(tmp_path, mon
     assert seen == [(str(tmp_path), link.name)] * 2
     with pytest.raises(ModelLoadError, match=f"GGUF file not found: .*missing{suffix}"):
         loading.load_model(str(tmp_path / f"missing{suffix}"))
+
+
+def test_eval_and_sweep_name_a_bad_dtype_as_load_model_does():
+    """``get_model`` (eval, sweep, search) passes the dtype name on: one ModelLoadError, not an AttributeError."""
+    from kvplan.errors import ModelLoadError
+    from kvplan.evaluation.runs import get_model
+
+    with pytest.raises(ModelLoadError, match="unsupported dtype 'float8'"):
+        get_model(dtype="float8")
