@@ -918,7 +918,7 @@ def check_budgets(budgets, geometry: Geometry, reference: Reference, modalities:
         opts["key_scaling"], opts["value_scaling"], opts["codebooks"])
     window = resolve_stream_window(opts.pop("stream_window"), granularity, opts["heavy_length"], opts.pop("profile"))
     space = SearchSpace(geometry, tuple(modalities), granularity, **opts)
-    model = BpvModel(space, reference)
+    model = plain = BpvModel(space, reference)  # plain: no head streamed, every slot up to its highest bits
     heads = searched_stream_heads(geometry)
     if window and heads:  # with the sink the streaming profile keeps (streaming_optimum uses no other)
         sinks = tuple(s for s in space.sink_lengths if s >= stream_sink(space))
@@ -929,6 +929,7 @@ def check_budgets(budgets, geometry: Geometry, reference: Reference, modalities:
     hint = "" if window else "; streamed KV heads, stream_window with a profile, go lower"
     for b in budgets if isinstance(budgets, (list, tuple)) else [budgets]:
         model.check_budget(parse_budget(b), hint)
+        plain.warn_if_unconstrained(parse_budget(b))
 
 
 def _check_identity(study: optuna.Study, identity: dict, study_name: str, label, attrs=None) -> None:

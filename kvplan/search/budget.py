@@ -189,17 +189,20 @@ class BpvModel:
         return max(t.const + float(np.where(np.isfinite(t.group_cost), t.group_cost, -np.inf).max(axis=1).sum())
                    for t in self._terms.values())
 
+    def warn_if_unconstrained(self, budget: float) -> None:
+        """Warn when every plan of the space fits ``budget``: nothing is traded for memory."""
+        hi = self.dearest()
+        if budget + EPS >= hi:
+            warnings.warn(f"kvplan: budget {budget:g} bpv is at or above the dearest plan of this search space "
+                          f"({hi:.4f} bpv, every slot at its highest bits): every plan fits, so the search trades "
+                          f"no memory for quality; give a budget below {hi:.4f} bpv to allocate bits", stacklevel=3)
+
     def feasible_quantizers(self, budget: float) -> list[QuantizerSettings]:
         return [t.quantizer for t in self._terms.values() if t.floor <= budget + EPS]
 
     def check_budget(self, budget: float, hint: str = "") -> None:
         """Raise :class:`BudgetError` naming the cheapest reachable bpv when ``budget`` is below it (``hint``:
-        more ways to widen the space, appended to the message); warn when every plan of the space fits."""
-        hi = self.dearest()
-        if budget + EPS >= hi:
-            warnings.warn(f"kvplan: budget {budget:g} bpv is at or above the dearest plan of this search space "
-                          f"({hi:.4f} bpv, every slot at its highest bits): every plan fits, so the search trades "
-                          f"no memory for quality; give a budget below {hi:.4f} bpv to allocate bits", stacklevel=2)
+        more ways to widen the space, appended to the message)."""
         lo, q = self.cheapest()
         if budget + EPS < lo:
             space, ref = self.space, self.reference

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from optuna.distributions import CategoricalDistribution, IntDistribution
 
-from kvplan.plans import Plan, QuantizerSettings
+from kvplan.models import Geometry
+from kvplan.plans import Plan, QuantizerSettings, Reference
 from kvplan.search import (
     BpvModel,
     BudgetError,
@@ -131,10 +132,23 @@ def test_a_budget_every_plan_fits_is_warned_about():
     hi = max(model.bpv(top, q) for q in model.feasible_quantizers(float("inf")))
     assert model.dearest() == pytest.approx(hi, abs=1e-9) == 16.0  # every slot at 16 bits, nothing else stored
     with pytest.warns(UserWarning, match=f"budget 100 bpv is at or above the dearest plan .*{hi:.4f} bpv"):
-        model.check_budget(100.0)
+        model.warn_if_unconstrained(100.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        model.check_budget(hi - 0.01)
+        model.warn_if_unconstrained(hi - 0.01)
+
+
+def test_a_streaming_search_at_a_real_budget_is_not_warned_about():
+    """The budget check weighs the space with every streamable head streamed (the cheapest plan): its
+    dearest plan is not the search's, so a 2.5 bpv budget is no cause for the every-plan-fits warning."""
+    from kvplan.search import check_budgets
+
+    geometry = Geometry(30, 3, 64, ("full",) * 30, "llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_budgets("2.5bpv", geometry, Reference(512))
+    with pytest.warns(UserWarning, match="budget 40 bpv is at or above the dearest plan"):
+        check_budgets("40bpv", geometry, Reference(512))
 
 
 def test_repair_reaches_budget_and_keeps_feasible():
