@@ -47,6 +47,40 @@ def _summary(agg: dict[str, Any], plan: Plan) -> dict[str, Any]:
     return out
 
 
+def samples_digest(samples) -> str:
+    """What identifies a study's calibration data: the token ids of each sample's history and
+    continuation and, for a VLM's samples, their media inputs (an image's token ids depend only on its
+    size: its pixels must count too). Text samples hash as they always did (resumable studies)."""
+    import torch
+
+    digest = hashlib.sha256(repr([(s.history_ids, s.eval_ids) for s in samples]).encode())
+    for s in samples:
+        for name in sorted(s.prefill_inputs or {}):
+            value = s.prefill_inputs[name]
+            digest.update(name.encode())
+            if isinstance(value, torch.Tensor):
+                digest.update(str(value.dtype).encode() + repr(tuple(value.shape)).encode())
+                digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                digest.update(repr(value).encode())
+    return digest.hexdigest()[:16]
+
+
+def _extended(inputs: dict[str, Any], n_history: int, n_eval: int) -> dict[str, Any]:
+    """A prompt's model inputs for the history followed by ``n_eval`` text tokens: per-token integer
+    inputs ``[1, n_history]`` (a VLM's ``mm_token_type_ids`` / ``token_type_ids``) get 0 (text) for the new
+    tokens; the rest (pixels, grids) are the history's."""
+    import torch
+
+    out = {}
+    for name, value in inputs.items():
+        if (isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() == 2
+                and value.shape == (1, n_history)):
+            value = torch.cat([value, value.new_zeros(1, n_eval)], dim=-1)
+        out[name] = value
+    return out
+
+
 class HarnessScorer:
     """Scores plans on prepared samples with :func:`kvplan.evaluation.harness.evaluate`, through
     the attention route ``kvplan.load(model, plan, attention)`` deploys (``"auto"``: the chunked
@@ -74,7 +108,8 @@ class HarnessScorer:
     def calibration_sequences(self) -> list[dict[str, Any]]:
         """Model inputs of each sample (history then evaluated tokens, plus e.g. a VLM's
         ``pixel_values``), e.g. to learn query bases."""
-        return [{"input_ids": list(p.sample.history_ids) + list(p.sample.eval_ids), **p.sample.prefill_inputs}
+        return [{"input_ids": list(p.sample.history_ids) + list(p.sample.eval_ids),
+                 **_extended(p.sample.prefill_inputs, len(p.sample.history_ids), len(p.sample.eval_ids))}
                 for p in self.prepared]
 
     def __call__(self, plan: Plan, reuse_prefix: bool = False) -> dict[str, Any]:
@@ -193,7 +228,7 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
     if before_prefill is not None:
         before_prefill(Geometry.of(model), reference, mods)
     pad = pad_token_id(proc)
-    h = hashlib.sha256(repr([(s.history_ids, s.eval_ids) for s in cal]).encode()).hexdigest()[:16]
+    h = samples_digest(cal)
 
     def scorer(samples, name):
         if not samples:

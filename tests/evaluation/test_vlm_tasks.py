@@ -139,3 +139,44 @@ def test_generate_demo_runs_on_a_vlm_with_its_processor(tok, capsys):
     model, proc = _tiny_llava_ov(tok)
     result = generate_demo("int4", model=(model, proc), prompt="Hello there", max_new_tokens=3)
     assert result["bpv"] > 0 and "reply:" in capsys.readouterr().out
+
+
+def test_search_query_pass_runs_on_a_qwen_vl_jsonl_task(tmp_path, tok):
+    """The key-correction basis reads each calibration sample's history and continuation in one pass:
+    a Qwen2.5-VL prompt's per-token ``mm_token_type_ids`` are extended over the continuation (text), so
+    the pass runs (it raised a shape error, which crashed ``kvplan search --task`` on Qwen-VL)."""
+    from kvplan.plans import Reference
+    from kvplan.search.key_basis import query_second_moments
+    from kvplan.search.scorers import HarnessScorer
+
+    model, proc = _tiny_qwen25_vl(tok)
+    samples = user_task_samples(_write_task(tmp_path), model, proc)[:1]
+    prepared = prepare_samples(model, samples, pad_id=pad_token_id(proc), progress=False)
+    scorer = HarnessScorer(model, prepared, Reference(128), ("text", "visual"), "calibration", "h")
+    try:
+        (seq,) = scorer.calibration_sequences()
+        n = len(seq["input_ids"])
+        assert all(v.shape[-1] == n for k, v in seq.items() if k.endswith("token_type_ids"))
+        assert query_second_moments(model, [seq]).shape[0] == model.config.get_text_config().num_hidden_layers
+    finally:
+        scorer.close()
+
+
+def test_a_studys_data_hash_counts_the_pixels_of_its_images():
+    """An image's token ids depend only on its size: a study resumed on other images of the same sizes is
+    other data, and its hash says so; text samples keep the hash they always had (old studies resume)."""
+    import hashlib
+
+    from kvplan.evaluation.harness import Sample
+    from kvplan.search.scorers import samples_digest
+
+    text = [Sample([1, 2, 3], ["text"] * 3, [4, 5])]
+    assert samples_digest(text) == hashlib.sha256(repr([([1, 2, 3], [4, 5])]).encode()).hexdigest()[:16]
+    pixels = torch.rand(1, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    labels = ["text", "visual", "visual", "text"]
+
+    def with_image(p):
+        return [Sample([1, 9, 9, 3], labels, [4, 5], prefill_inputs={"pixel_values": p})]
+
+    assert samples_digest(with_image(pixels)) != samples_digest(with_image(1 - pixels)) != samples_digest(text)
+    assert samples_digest(with_image(pixels)) == samples_digest(with_image(pixels.clone()))
