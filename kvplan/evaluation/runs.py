@@ -53,6 +53,17 @@ def get_model(model="smollm2-135m", dtype: str = "float32"):
     return _MODELS[key]
 
 
+DEFAULT_TASK_SAMPLES = 16  # eval and sweep on the built-in task
+
+
+def resolve_sample_count(task: str, samples: int | None) -> int | None:
+    """``samples``, or where it is ``None`` the default: 16 of the built-in task, every record of a
+    JSONL task's split (``None``), as ``kvplan search`` measures its validation and test splits."""
+    if samples is not None:
+        return samples
+    return DEFAULT_TASK_SAMPLES if task == "default" else None
+
+
 def _modalities(samples) -> tuple[str, ...]:
     present = set()
     for s in samples:
@@ -74,15 +85,17 @@ def _print_eval(r: dict[str, Any]) -> None:
 
 
 def run_eval(plan_or_baseline, model="smollm2-135m", task: str = "default", split: str = "test",
-             samples: int = 16, out: str | os.PathLike | None = None, *, seed: int = 0, history_tokens: int = 512,
-             eval_tokens: int = 32, dtype: str = "float32", num_threads: int | None = None, progress: bool = True,
-             verbose: bool = True) -> dict:
+             samples: int | None = None, out: str | os.PathLike | None = None, *, seed: int = 0,
+             history_tokens: int = 512, eval_tokens: int = 32, dtype: str = "float32", num_threads: int | None = None,
+             progress: bool = True, verbose: bool = True) -> dict:
     """Evaluate a plan under the historical-cache protocol and return (and optionally write) the results.
 
     ``plan_or_baseline``: a :class:`~kvplan.Plan`, a plan YAML path, a baseline name
     (``fp16``, ``int8``, ``int4``, ``int2``, ``k4v2``, with optional ``-g64``/``-g128``),
     ``"headguard"`` (sensitivity on the calibration split, top 1/8 heads protected, rest
-    INT2), or a transformers QuantizedCache peer ``quanto-int2`` / ``hqq-int4``...
+    INT2), or a transformers QuantizedCache peer ``quanto-int2`` / ``hqq-int4``... ``samples``:
+    default 16 of the built-in task, every record of a JSONL task's split (as the search measures it).
+    ``history_tokens`` / ``eval_tokens``: the built-in task's (a JSONL record sets its own).
     """
     with _threads(num_threads):
         return _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_tokens, eval_tokens,
@@ -93,7 +106,7 @@ def _prepared_task(model, dtype, task, split, samples, history_tokens, eval_toke
     """Model, task samples and their full-precision prefills: ``(m, proc, samples, prepared, modalities, kw)``."""
     m, proc = get_model(model, dtype)
     kw = {"history_tokens": history_tokens, "eval_tokens": eval_tokens} if task == "default" else {}
-    ss = task_samples(task, m, proc, split=split, n=samples, seed=seed, **kw)
+    ss = task_samples(task, m, proc, split=split, n=resolve_sample_count(task, samples), seed=seed, **kw)
     prepared = prepare_samples(m, ss, pad_id=pad_token_id(proc), progress=progress)
     return m, proc, ss, prepared, _modalities(ss), kw
 
@@ -141,7 +154,7 @@ def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_
         if plan == "headguard":
             bulk = [x for x in mods if x != "text"]
             bulk_mod = bulk[0] if bulk else "text"
-            cal = task_samples(task, m, proc, split="calibration", n=min(samples, 8), seed=seed, **kw)
+            cal = task_samples(task, m, proc, split="calibration", n=min(len(ss), 8), seed=seed, **kw)
             cprep = prepare_samples(m, cal, pad_id=pad_token_id(proc), progress=progress)
             sens = head_sensitivity(m, cprep, modality=bulk_mod, progress=progress)
             plan = headguard_from_sensitivity(m, sens["score"], modalities=mods, protected_modality=bulk_mod)
@@ -160,7 +173,7 @@ def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_
     return r
 
 
-def run_sweep(model="smollm2-135m", samples: int = 16, out_dir: str | os.PathLike | None = None, *,
+def run_sweep(model="smollm2-135m", samples: int | None = None, out_dir: str | os.PathLike | None = None, *,
               task: str = "default", split: str = "test", bits=SWEEP_BITS, seed: int = 0,
               history_tokens: int = 512, eval_tokens: int = 32, group_size: int = 32, dtype: str = "float32",
               num_threads: int | None = None, progress: bool = True, verbose: bool = True) -> dict:

@@ -56,3 +56,24 @@ def test_sweep_and_eval_on_a_jsonl_task_record_the_lengths_its_samples_hold(tmp_
     want = held[0] if held[0] == held[1] else {"min": held[0], "mean": sum(held) / 2, "max": held[1]}
     assert meta["history_tokens"] == want and "512" not in meta["title"]
     assert run_eval("int4", **kw)["task"]["history_tokens"] == want
+
+
+def test_eval_defaults_to_the_split_the_search_measured(tmp_path, monkeypatch, capsys):
+    """``kvplan eval plan --task my.jsonl``: every record of the split, as the search's test measurement
+    (16 samples used to be the default, and a split of fewer records was refused); ``--eval-tokens``
+    reaches the built-in task as search's does."""
+    import kvplan.evaluation
+    from kvplan.cli import main
+    from kvplan.evaluation.runs import get_model, resolve_sample_count
+    from kvplan.evaluation.tasks import read_jsonl, split_records, task_samples
+    from tests.search.test_task_search import _text_task
+
+    seen = []
+    monkeypatch.setattr(kvplan.evaluation, "run_eval", lambda *a, **k: seen.append(k))
+    task = str(_text_task(tmp_path / "docs.jsonl"))
+    assert main(["eval", "int4", "--task", task, "--quiet"]) == 0
+    assert main(["eval", "int4", "--eval-tokens", "8", "--quiet"]) == 0
+    assert seen[0]["samples"] is None and seen[1]["samples"] == 16 and seen[1]["eval_tokens"] == 8
+    model, tok = get_model()
+    n = len(task_samples(task, model, tok, split="test", n=resolve_sample_count(task, None)))
+    assert n == len(split_records(read_jsonl(task), "test"))
