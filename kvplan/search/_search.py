@@ -1090,14 +1090,17 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
         holder["result"] = res
         study.set_user_attr("kvplan.final", {
             "run_id": res["run_id"], "by": owner, "paths": res["paths"], "n_trials": res["n_trials"],
-            "plans": {f"{b:g}": p.to_yaml() for b, p in res["plans"].items()}})
+            "heldout": heldout, "plans": {f"{b:g}": p.to_yaml() for b, p in res["plans"].items()}})
 
     holder: dict = {}
-    # a final export made before this study grew (a resume with more --trials) does not count
+    # a final export made before this study grew (a resume with more --trials), or measured on other
+    # validation / test samples than this run's, does not count
     n_done = len(s.complete())
+    heldout = {"validation": _split_identity(validation_scorer), "test": _split_identity(test_scorer)}
     final = run_once(study, "finalize", "kvplan.final", export, owner, hb, persistent, force=finalize,
                      on_wait=waiting_for("final measurement and export"),
-                     valid=lambda v: isinstance(v, dict) and v.get("n_trials") == n_done)
+                     valid=lambda v: isinstance(v, dict) and v.get("n_trials") == n_done
+                     and v.get("heldout", heldout) == heldout)
     if "result" in holder:
         res = holder["result"]
         plans, paths, curve, front = res["plans"], res["paths"], res["curve"], res["pareto"]
@@ -1113,6 +1116,17 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
     return SearchResult(plan=plans[min(plans)], plans=plans, study=study, space=space, budgets=budgets, profile=prof,
                         curve=curve, pareto=front, n_real_evals=s.n_evals, n_profile_evals=n_profile_evals,
                         elapsed_s=time.perf_counter() - t_start, paths=paths, finalized_by=finalized_by)
+
+
+def _split_identity(scorer) -> str | None:
+    """What a validation / test scorer measures on: its samples' count and digest (``None`` for a scorer
+    that is not the harness's: a caller's own)."""
+    from .scorers import samples_digest
+
+    prepared = getattr(scorer, "prepared", None)
+    if prepared is None:
+        return None
+    return f"{len(prepared)}:{samples_digest([p.sample for p in prepared])}"
 
 
 def _warn_unfinished(study, study_name: str, n_done: int) -> None:

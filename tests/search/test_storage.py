@@ -354,3 +354,31 @@ def test_finalize_warns_when_the_study_stopped_short_of_its_trials(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         search(n_trials=8, scorer=SyntheticScorer(), out=str(tmp_path / "r.yaml"), finalize=True, **fast)
+
+
+class _HeldOut(SyntheticScorer):
+    """A validation / test scorer over ``n`` samples (what the harness's scorers expose: ``prepared``)."""
+
+    def __init__(self, n):
+        from types import SimpleNamespace
+
+        from kvplan.evaluation.harness import Sample
+
+        super().__init__()
+        self.prepared = [SimpleNamespace(sample=Sample([1, 2, i], ["text"] * 3, [4])) for i in range(n)]
+
+
+def test_a_finished_study_rerun_on_other_test_samples_is_measured_again(tmp_path):
+    """Re-running a finished study with the same --trials but other validation / test samples measures
+    and exports again (it used to return the old export, its test KL on the old samples, writing nothing)."""
+    storage = str(tmp_path / "h.journal")
+    fast = dict(budget="3.0", progress=False, n_candidates=4, n_local=8, profile=False, storage=storage,
+                study_name="h", n_trials=4)
+    first = search(scorer=SyntheticScorer(), validation_scorer=_HeldOut(2), test_scorer=_HeldOut(2),
+                   out=str(tmp_path / "a.yaml"), **fast)
+    same = search(scorer=SyntheticScorer(), validation_scorer=_HeldOut(2), test_scorer=_HeldOut(2),
+                  out=str(tmp_path / "b.yaml"), **fast)
+    assert first.finalized_by is None and same.finalized_by is not None and not (tmp_path / "b.yaml").exists()
+    other = search(scorer=SyntheticScorer(), validation_scorer=_HeldOut(2), test_scorer=_HeldOut(1),
+                   out=str(tmp_path / "c.yaml"), **fast)
+    assert other.finalized_by is None and other.n_real_evals == 0 and (tmp_path / "c.yaml").exists()
