@@ -206,6 +206,7 @@ class KVPlanLayer(CacheLayerMixin):
         if fused:
             self._commit(free=False)  # a commit left pending by the previous step's attention call, if any
         start = self.get_seq_length()
+        self.owner.check_prompt_labelled(start, t_new)
         self.residual_labels.extend(self.owner.labels_for(start, t_new))
         self.residual["k"].append(key_states.to(self.dtype))
         self.residual["v"].append(value_states.to(self.dtype))
@@ -777,7 +778,18 @@ class KVPlanCache(Cache):
         raise PlanError("modalities", f"token at position {position} is labelled {label!r}, which the plan "
                         f"does not cover (plan modalities: {list(mods)})", label)
 
+    def check_prompt_labelled(self, start: int, n: int) -> None:
+        """Refuse a prompt (``n > 1`` tokens from position 0) written to a cache with no labels when the
+        plan has several modalities: nothing would tell its visual tokens apart (each would be stored at
+        the text bits). Tokens written later, one by one or after a labelled prompt, are ``text``."""
+        if not self._labels and start == 0 and n > 1 and len(self.plan.modalities) > 1:
+            raise CacheError(f"a {n}-token prompt reached a cache with no modality labels, and the plan stores "
+                             f"{list(self.plan.modalities)} at different bits: make the cache with "
+                             "make_cache(model, plan, input_ids), call cache.assign_labels first, or generate "
+                             "under kvplan.load (which labels the prompt)")
+
     def labels_for(self, start: int, n: int) -> list[str]:
+        """Labels of positions ``[start, start + n)``: assigned ones, else ``text`` (generated tokens)."""
         default = self._plan_label(TEXT, start)
         return [self._labels[i] if i < len(self._labels) else default for i in range(start, start + n)]
 

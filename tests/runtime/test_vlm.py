@@ -133,3 +133,21 @@ def test_generate_without_token_ids_refuses_a_plan_with_modalities():
     embeds = model.get_input_embeddings()(inputs["input_ids"])
     with pytest.raises(PlanError, match="no input_ids .* cannot be told apart"):
         model.generate(inputs_embeds=embeds, attention_mask=inputs["attention_mask"], max_new_tokens=2)
+
+
+def test_an_unlabelled_cache_refuses_a_multi_modality_prompt():
+    """``make_cache(model, plan)`` without ids, passed to a plain ``generate`` (no kvplan.load to label
+    the prompt): the image tokens would be stored at the text bits, silently; refused in one line."""
+    import pytest
+
+    from kvplan.errors import CacheError
+
+    model = tiny_llava_onevision()
+    inputs = llava_onevision_inputs(model, skimage_data.astronaut())
+    cache = kvplan.make_cache(model, _modality_plan(model))
+    with pytest.raises(CacheError, match="prompt reached a cache with no modality labels"):
+        model.generate(**inputs, cache=cache, max_new_tokens=2, do_sample=False)
+    labelled = kvplan.make_cache(model, _modality_plan(model))
+    labelled.assign_labels(labels_from_input_ids(inputs["input_ids"], model.config))
+    out = model.generate(**inputs, cache=labelled, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    _check_stored_bits(model, inputs, out)
