@@ -98,7 +98,8 @@ def _cmd_search(args) -> int:
                     grace_period=args.grace_period, finalize=args.finalize, **extra)
     if result.finalized_by is not None:
         by = result.finalized_by
-        print(f"study {result.study.study_name}: finalized by another worker (host {by.get('host')}, pid {by.get('pid')}, "
+        print(f"study {result.study.study_name}: finalized by another worker (host {by.get('host')}, "
+              f"pid {by.get('pid')}, "
               f"worker {by.get('worker')}), which wrote the plan files; its plans:")
     for budget, plan in sorted(result.plans.items()):
         bpv = plan.bpv()

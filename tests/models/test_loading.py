@@ -82,17 +82,26 @@ def test_unwritable_cache_does_not_fail_the_load(tmp_path):
     assert blocker.is_file() and not target.exists()
 
 
-def test_a_broken_cached_conversion_names_its_folder(tmp_path, monkeypatch):
-    from kvplan.errors import ModelLoadError
+def _stub_conversion(tmp_path, monkeypatch) -> str:
+    """A cached conversion of the default model under a fresh KVPLAN_CACHE_DIR whose files are present but
+    are not a model; returns its folder."""
     from kvplan.models import loading
 
     monkeypatch.setenv("KVPLAN_CACHE_DIR", str(tmp_path))
     folder, gguf = loading.default_model_path()
     converted = loading.converted_gguf_dir(os.path.join(folder, gguf))
     os.makedirs(converted)
-    for name in ("config.json", "model.safetensors"):  # present but not a model
+    for name in ("config.json", "model.safetensors"):
         with open(os.path.join(converted, name), "w") as f:
             f.write("{}")
+    return converted
+
+
+def test_a_broken_cached_conversion_names_its_folder(tmp_path, monkeypatch):
+    from kvplan.errors import ModelLoadError
+    from kvplan.models import loading
+
+    converted = _stub_conversion(tmp_path, monkeypatch)
     with pytest.raises(ModelLoadError) as e:
         loading.load_model()
     assert converted in str(e.value) and "delete that folder" in str(e.value) and "\n" not in str(e.value)
@@ -164,13 +173,7 @@ def test_a_bad_dtype_is_named_and_not_blamed_on_the_cached_conversion(tmp_path, 
     from kvplan.errors import ModelLoadError
     from kvplan.models import loading
 
-    monkeypatch.setenv("KVPLAN_CACHE_DIR", str(tmp_path))
-    folder, gguf = loading.default_model_path()
-    converted = loading.converted_gguf_dir(os.path.join(folder, gguf))
-    os.makedirs(converted)
-    for name in ("config.json", "model.safetensors"):  # a cached conversion is there
-        with open(os.path.join(converted, name), "w") as f:
-            f.write("{}")
+    converted = _stub_conversion(tmp_path, monkeypatch)
     with pytest.raises(ModelLoadError, match="unsupported dtype .*float32, float16 or bfloat16") as e:
         loading.load_model(dtype=dtype)
     assert "delete that folder" not in str(e.value) and converted not in str(e.value)
