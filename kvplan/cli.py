@@ -99,8 +99,7 @@ def _cmd_search(args) -> int:
     if result.finalized_by is not None:
         by = result.finalized_by
         print(f"study {result.study.study_name}: finalized by another worker (host {by.get('host')}, "
-              f"pid {by.get('pid')}, "
-              f"worker {by.get('worker')}), which wrote the plan files; its plans:")
+              f"pid {by.get('pid')}, worker {by.get('worker')}), which wrote the plan files; its plans:")
     for budget, plan in sorted(result.plans.items()):
         bpv = plan.bpv()
         test = plan.metrics.get("test") or {}

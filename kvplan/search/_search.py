@@ -766,10 +766,11 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     budgets = sorted(parse_budget(b) for b in (budget if isinstance(budget, (list, tuple)) else [budget]))
     multi = pareto or len(budgets) > 1
     if out is not None:  # the plan files and their sidecars: writable, and not on what the search reads
-        for path in output_paths(out, budgets).values():
+        outputs = output_paths(out, budgets)
+        for path in outputs.values():
             check_writable(path, "--out", is_dir=False)
-        check_not_inputs(output_paths(out, budgets), {"storage": storage_file(storage),
-                                                      "task file": existing_path(task), "model": existing_path(model)})
+        check_not_inputs(outputs, {"storage": storage_file(storage), "task file": existing_path(task),
+                                   "model": existing_path(model)})
     if heldout_scorer is not None:
         if test_scorer is not None:
             raise KVPlanError("pass test_scorer or its old name heldout_scorer, not both")
@@ -1081,6 +1082,9 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
     else:
         _warn_unfinished(study, study_name, len(s.complete()))
 
+    # the samples the final measurement is made on (recorded with the export)
+    heldout = {"validation": _split_identity(validation_scorer), "test": _split_identity(test_scorer)}
+
     def export() -> None:
         res = _finalize(study=study, space=space, s=s, budgets=budgets, multi=multi, granularity=config.granularity,
                         seed=seed, study_name=study_name, storage_label=label, prof=prof, desc=desc,
@@ -1096,7 +1100,6 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
     # a final export made before this study grew (a resume with more --trials), or measured on other
     # validation / test samples than this run's, does not count
     n_done = len(s.complete())
-    heldout = {"validation": _split_identity(validation_scorer), "test": _split_identity(test_scorer)}
     final = run_once(study, "finalize", "kvplan.final", export, owner, hb, persistent, force=finalize,
                      on_wait=waiting_for("final measurement and export"),
                      valid=lambda v: isinstance(v, dict) and v.get("n_trials") == n_done
