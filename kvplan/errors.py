@@ -52,6 +52,12 @@ def describe(value) -> str:
     return one_line(_repr(value), MAX_VALUE_CHARS)
 
 
+def or_list(items) -> str:
+    """Choices in words for a message: ``"a, b or c"``."""
+    items = [str(item) for item in items]
+    return ", ".join(items[:-1]) + " or " + items[-1] if len(items) > 1 else "".join(items)
+
+
 class KVPlanError(Exception):
     """Base class of kvplan's user-facing errors (the CLI prints them on one line, exit 2)."""
 

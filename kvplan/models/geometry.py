@@ -8,22 +8,20 @@ from dataclasses import dataclass
 
 LAYER_TYPES = ("full", "sliding")
 MAX_SLIDING_WINDOW = 2 ** 24
+# the dtypes kvplan caches (and load_model takes), by name, and the bits one full-precision cached value takes
+STORAGE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16}
 
 
 def storage_bits(model) -> int:
-    """Bits a full-precision cached value takes on ``model``: its dtype's (32 for float32; 16 for float16 and
-    bfloat16). Other dtypes are refused: a plan states its full-precision storage as 16 or 32 bits."""
-    import torch
+    """Bits a full-precision cached value takes on ``model``: its dtype's (see :data:`STORAGE_BITS`). Other
+    dtypes are refused: a plan states its full-precision storage as 16 or 32 bits."""
+    from ..errors import KVPlanError, or_list
 
-    from ..errors import KVPlanError
-
-    dtype = next(model.parameters()).dtype
-    if dtype == torch.float32:
-        return 32
-    if dtype in (torch.float16, torch.bfloat16):
-        return 16
-    raise KVPlanError(f"model dtype {str(dtype).removeprefix('torch.')}: kvplan caches float32, float16 or bfloat16 "
-                      "models (cast it with model.to(torch.float32), for example)")
+    name = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if name not in STORAGE_BITS:
+        raise KVPlanError(f"model dtype {name}: kvplan caches {or_list(STORAGE_BITS)} models (cast it with "
+                          "model.to(torch.float32), for example)")
+    return STORAGE_BITS[name]
 
 
 def text_config(config):

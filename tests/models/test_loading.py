@@ -179,6 +179,32 @@ def test_a_bad_dtype_is_named_and_not_blamed_on_the_cached_conversion(tmp_path, 
     assert "delete that folder" not in str(e.value) and converted not in str(e.value)
 
 
+@pytest.mark.parametrize("device, message", [("bogus", "unknown device 'bogus'"), (3.5, "unknown device 3.5"),
+                                             ("cuda:0", "device 'cuda:0': no cuda device is available"),
+                                             ("mps", "device 'mps': no mps device is available")])
+def test_a_bad_or_absent_device_is_refused_before_any_weights_are_read(tmp_path, monkeypatch, device, message):
+    """``load_model(device="bogus")`` used to load the whole model, then raise torch's own RuntimeError."""
+    from kvplan.errors import ModelLoadError
+    from kvplan.models import loading
+
+    if device == "cuda:0" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    read = []
+    monkeypatch.setattr(loading, "_load", lambda *a: read.append(a) or (torch.nn.Linear(1, 1), None))
+    with pytest.raises(ModelLoadError, match=message) as e:
+        loading.load_model(str(tmp_path), device=device)
+    assert not read and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("device", [None, "", "cpu", torch.device("cpu")])
+def test_a_cpu_device_is_taken_as_a_name_or_a_torch_device(tmp_path, monkeypatch, device):
+    from kvplan.models import loading
+
+    monkeypatch.setattr(loading, "_load", lambda *a: (torch.nn.Linear(1, 1), None))
+    model, _ = loading.load_model(str(tmp_path), device=device)
+    assert next(model.parameters()).device.type == "cpu"
+
+
 @pytest.mark.parametrize("dtype, expected", [(None, None), (torch.float32, torch.float32), ("float32", torch.float32),
                                              (torch.float16, torch.float16), ("float16", torch.float16),
                                              (torch.bfloat16, torch.bfloat16), ("bfloat16", torch.bfloat16)])
