@@ -17,7 +17,7 @@ import torch
 
 from ..errors import PlanError
 from ..models.geometry import Geometry
-from ..plans import Plan, baseline_plan, headguard_plan, uniform_plan
+from ..plans import Plan, at_model_width, baseline_plan, headguard_plan, uniform_plan
 from .harness import (PreparedSample, ProtocolError, aggregate, evaluate, score_cache)
 
 # the bit widths each backend of transformers' QuantizedCache accepts
@@ -27,8 +27,9 @@ PEER_BACKENDS = tuple(PEER_BITS)
 
 # ----------------------------------------------------------------------------- named plans
 def named_plan(name: str, model, modalities: Sequence[str] = ("text",), **kwargs) -> Plan:
-    """``fp16``, ``int8``, ``int4``, ``int2``, ``k4v2`` (optionally ``-g64`` / ``-g128``) for ``model``."""
-    return baseline_plan(name, Geometry.of(model), modalities=tuple(modalities), **kwargs)
+    """``fp16``, ``int8``, ``int4``, ``int2``, ``k4v2`` (optionally ``-g64`` / ``-g128``) for ``model``, its bpv
+    stated at the model's full-precision width as :func:`kvplan.load` states it."""
+    return baseline_plan(name, Geometry.of(model), modalities=tuple(modalities), **{**at_model_width(model), **kwargs})
 
 
 def parse_peer(name: str) -> tuple[str, int] | None:
@@ -100,11 +101,12 @@ def top_heads(score: np.ndarray, fraction: float = 1 / 8) -> list[tuple[int, int
 def headguard_from_sensitivity(model, score: np.ndarray, fraction: float = 1 / 8, low_bits=(2, 2),
                                modalities: Sequence[str] = ("text",), protected_modality: str | None = None,
                                protected_value_bits: int | None = None, **kwargs) -> Plan:
-    """HeadGuard-style plan protecting the top ``fraction`` of physical KV heads by ``score``."""
+    """HeadGuard-style plan protecting the top ``fraction`` of physical KV heads by ``score``, its bpv stated at
+    the model's full-precision width."""
     heads = top_heads(score, fraction)
     return headguard_plan(Geometry.of(model), heads, low_bits=low_bits, modalities=tuple(modalities),
                           protected_modality=protected_modality, protected_value_bits=protected_value_bits,
-                          name=f"headguard-{len(heads)}", **kwargs)
+                          name=f"headguard-{len(heads)}", **{**at_model_width(model), **kwargs})
 
 
 # ----------------------------------------------------------------------------- QuantizedCache peers

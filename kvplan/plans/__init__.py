@@ -14,8 +14,8 @@ from ._keybasis import FeedbackMetric, KeyBasis
 from ._plan import Plan
 from .accounting import (BpvBreakdown, committed_length, heavy_tokens, label_runs, layout_labels, plan_bpv,
                          plan_bytes, recent_tokens, stored_runs, stream_tokens)
-from .baselines import (BASELINES, KVTUNER_PAIRS, baseline_plan, headguard_plan, is_baseline_name, layerwise_plan,
-                        uniform_plan)
+from .baselines import (BASELINES, KVTUNER_PAIRS, at_model_width, baseline_plan, headguard_plan, is_baseline_name,
+                        layerwise_plan, uniform_plan)
 
 __all__ = [
     "CORRECTED",
@@ -32,6 +32,7 @@ __all__ = [
     "Provenance",
     "QuantizerSettings",
     "Reference",
+    "at_model_width",
     "atomic_write_text",
     "baseline_plan",
     "committed_length",

@@ -14,9 +14,9 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import PlanError
-from ..models.geometry import Geometry
+from ..models.geometry import Geometry, storage_bits
 from ._checks import DEFAULT_MODALITY
-from ._fields import Provenance, QuantizerSettings
+from ._fields import Provenance, QuantizerSettings, Reference
 from ._plan import Plan
 
 # name -> (key bits, value bits)
@@ -55,6 +55,14 @@ def is_baseline_name(name) -> bool:
         return False
     base, sep, suffix = name.partition("-g")
     return base in BASELINES and (not sep or suffix.isdigit())
+
+
+def at_model_width(model_or_geometry) -> dict:
+    """Plan keyword arguments that state a baseline's bpv at the model's full-precision width, the width
+    :func:`kvplan.load` stores (an fp32 model's: 32 bits); none for a Geometry or a config (16 bits)."""
+    if not hasattr(model_or_geometry, "parameters"):
+        return {}
+    return {"reference": Reference(full_precision_bits=storage_bits(model_or_geometry))}
 
 
 def baseline_plan(name: str, geometry: Geometry, **kwargs) -> Plan:

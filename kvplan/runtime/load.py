@@ -14,7 +14,7 @@ from ..errors import PlanError
 from ..models.geometry import Geometry, storage_bits, text_config
 from ..models.modality import Labelling, resolve_labelling
 from ..models.rope import rope_inv_freq
-from ..plans import BASELINES, Plan, Reference, baseline_plan, is_baseline_name
+from ..plans import BASELINES, Plan, at_model_width, baseline_plan, is_baseline_name
 from .cache import KVPlanCache
 
 
@@ -32,10 +32,8 @@ def resolve_plan(plan, model_or_geometry, labelling: Labelling | None = None) ->
         resolved = Plan.from_yaml(plan)
     elif is_baseline_name(plan):
         labelling = resolve_labelling(labelling)
-        width = {"reference": Reference(full_precision_bits=storage_bits(model_or_geometry))} if hasattr(
-            model_or_geometry, "parameters") else {}
         resolved = baseline_plan(plan, geometry, modalities=labelling.modalities(_config(model_or_geometry)),
-                                 labelling=labelling.name, **width)
+                                 labelling=labelling.name, **at_model_width(model_or_geometry))
     elif isinstance(plan, (str, os.PathLike)) and os.fspath(plan).endswith((".yaml", ".yml")):
         raise PlanError("<file>", "plan file not found", os.fspath(plan))
     else:

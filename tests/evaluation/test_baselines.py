@@ -55,3 +55,23 @@ def test_quantized_cache_peers(smol, prepared, backend, bits):
     assert r["kl"]["mean"] > 0
     assert bits < r["bpv"] < bits + 2  # codes + scales/zeros counted
     assert r["nbytes"]["codes"] > 0 and r["nbytes"]["scales_zeros"] > 0
+
+
+@pytest.mark.parametrize("dtype, width", [("float32", 32), ("bfloat16", 16)])
+def test_eval_states_a_baseline_at_the_width_kvplan_load_stores(dtype, width):
+    """eval's baselines used to state their full-precision residual at 16 bits on an fp32 model, while
+    kvplan.load (and the bytes eval measures) store it at 32: the same name had two bpvs."""
+    import torch
+
+    from kvplan.runtime.load import resolve_plan
+    from tests.tiny_models import tiny_llama
+
+    model = tiny_llama().to(getattr(torch, dtype))
+    plan = named_plan("int4", model, modalities=MODS)
+    assert plan.reference.full_precision_bits == width
+    assert plan.bpv(context_len=300) == pytest.approx(resolve_plan("int4", model).bpv(context_len=300))
+    g = Geometry.of(model)
+    hg = headguard_from_sensitivity(model, np.arange(g.num_layers * g.num_kv_heads).reshape(g.num_layers, -1),
+                                    modalities=MODS)
+    assert hg.reference.full_precision_bits == width
+    assert named_plan("int4", model, reference=plan.reference.__class__()).reference.full_precision_bits == 16
