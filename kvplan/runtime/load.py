@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from ..errors import PlanError
+from ..errors import CacheError, PlanError
 from ..models.geometry import Geometry, storage_bits, text_config
 from ..models.modality import Labelling, resolve_labelling
 from ..models.rope import rope_inv_freq
@@ -161,7 +161,10 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
     a fresh one, one after ``reset()``, or a conversation's so far) is prepared as ``make_cache`` prepares
     a new one: aligned to the prompt's left padding when empty, and the prompt tokens past what it holds
     labelled from the ids (``input_ids=``, ``inputs=`` or positional) unless the caller labelled them. A
-    plan with several modalities refuses a prompt given without token ids (``inputs_embeds`` only).
+    plan with several modalities refuses a prompt given without token ids (``inputs_embeds`` only). A
+    left-padded prompt without ``attention_mask`` is aligned to the mask ``generate`` infers from
+    ``pad_token_id``. Another kind of cache passed in, a ``cache_implementation`` (per call or in
+    ``model.generation_config``), and ``output_attentions`` where kvplan's attention runs are refused.
     ``kvplan.unload(model)`` restores the original ``generate`` and attention.
     """
     labelling = resolve_labelling(labelling)
@@ -188,11 +191,16 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
 def _generate(self, *args, **kwargs):
     """``generate`` of a model under :func:`kvplan.load`: a fresh :class:`KVPlanCache` following
     ``self.kvplan_plan`` for each call (unless caching is off), or the caller's one prepared for the
-    prompt; then the model's own ``generate``."""
-    given = kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+    prompt; then the model's own ``generate``. Options that would put another cache in its place, or
+    ask kvplan's attention for weights it does not return, are refused."""
+    cache_keyword = "cache" if kwargs.get("cache") is not None else "past_key_values"
+    given = kwargs.get(cache_keyword)
     # transformers names generate's first parameter `inputs`; `input_ids=` is the usual keyword
     input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    _check_generate_options(self, kwargs, given, cache_keyword)
     mask = kwargs.get("attention_mask")
+    if mask is None and input_ids is not None:  # generate infers one from pad_token_id: align to the same
+        mask = _inferred_attention_mask(self, kwargs, input_ids)
     if given is None and _uses_cache(self, kwargs):
         _require_ids(self.kvplan_plan, input_ids, None)
         kwargs["cache"] = make_cache(self, self.kvplan_plan, input_ids, mask)
@@ -201,13 +209,62 @@ def _generate(self, *args, **kwargs):
     return self._kvplan_original_generate(*args, **kwargs)
 
 
+def _generation_option(model, kwargs, name: str):
+    """``(value, where)`` of a generation option as ``generate`` resolves it: the keyword, else the
+    ``generation_config`` passed, else the model's own ``generation_config``; ``(None, None)`` where
+    none sets it."""
+    if name in kwargs:
+        return kwargs[name], f"{name}="
+    for where, config in (("generation_config=", kwargs.get("generation_config")),
+                          ("model.generation_config", getattr(model, "generation_config", None))):
+        value = getattr(config, name, None)
+        if value is not None:
+            return value, where
+    return None, None
+
+
 def _uses_cache(model, kwargs) -> bool:
-    """``use_cache`` as ``generate`` resolves it: the keyword, else the ``generation_config`` passed,
-    else the model's own generation config (default on)."""
-    if kwargs.get("use_cache") is not None:
-        return bool(kwargs["use_cache"])
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    return bool(getattr(config, "use_cache", True))
+    """``use_cache`` as ``generate`` resolves it (:func:`_generation_option`); unset (None) is on."""
+    value, _ = _generation_option(model, kwargs, "use_cache")
+    return value is None or bool(value)
+
+
+def _check_generate_options(model, kwargs, given, cache_keyword: str) -> None:
+    """Refuse a ``generate`` call that would not run on the plan's cache: a cache of another kind passed
+    in, a ``cache_implementation`` (transformers would build its own cache, or switch to continuous
+    batching and drop ours), or ``output_attentions`` while kvplan's attention function (which returns
+    no weights) runs the model's attention."""
+    if given is not None and not isinstance(given, KVPlanCache):
+        raise CacheError(f"generate got a {type(given).__name__} as {cache_keyword}=, but under kvplan.load the "
+                         "plan's quantized cache is the cache: pass none, or a KVPlanCache from "
+                         "kvplan.make_cache(model, plan, input_ids) (kvplan.unload(model) to generate on another)")
+    implementation, where = _generation_option(model, kwargs, "cache_implementation")
+    if implementation not in (None, "hybrid") and _uses_cache(model, kwargs):  # transformers drops "hybrid" itself
+        raise CacheError(f"generate's cache_implementation={implementation!r} (from {where}) asks transformers "
+                         "for its own cache, which would not follow the plan: under kvplan.load the plan's "
+                         "quantized cache is the cache (leave cache_implementation unset, or kvplan.unload(model))")
+    attentions, where = _generation_option(model, kwargs, "output_attentions")
+    if attentions and "_kvplan_previous_attention" in model.__dict__:
+        raise CacheError(f"output_attentions=True (from {where}): kvplan's attention function, which this "
+                         "plan and route run, returns no attention weights; load with attention='dequantize' and "
+                         "a plan that neither streams KV heads nor keeps heavy-hitter copies to get them")
+
+
+def _inferred_attention_mask(model, kwargs, input_ids):
+    """The attention mask ``generate`` infers when none is passed, as transformers infers it: ``ids !=
+    pad_token_id`` where the prompt holds pad tokens and the pad token is no eos token; else None (no
+    padding)."""
+    ids = torch.as_tensor(input_ids)
+    pad, _ = _generation_option(model, kwargs, "pad_token_id")
+    if pad is None or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+        return None
+    pad = torch.as_tensor(pad, device=ids.device).flatten()
+    eos, _ = _generation_option(model, kwargs, "eos_token_id")
+    if eos is not None and torch.isin(torch.as_tensor(eos, device=ids.device).flatten(), pad).any():
+        return None
+    if not torch.isin(ids, pad).any():
+        return None
+    return ids.ne(pad[0]).long()  # [B, T]
 
 
 def _check_storage_width(plan: Plan, model, source: str | None) -> None:

@@ -2,6 +2,7 @@
 kernels lack, unload on VLMs, generation configs, copies of a loaded model."""
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 import kvplan
 from kvplan.errors import KVPlanError, PlanError
-from kvplan.plans import Reference
+from kvplan.plans import Reference, at_model_width
 from tests.tiny_models import tiny_gemma3_vl, tiny_llama, tiny_llava_onevision
 
 
@@ -156,3 +157,87 @@ def test_a_deep_copy_of_a_loaded_model_generates_with_the_copy():
     kvplan.unload(twin)
     assert "generate" not in vars(twin) and "generate" in vars(model)
     kvplan.unload(model)
+
+
+# ----------------------------------------------------------------------------- generate options
+def _loaded_llama(plan=None, attention="auto"):
+    model = tiny_llama(head_dim=32)
+    plan = plan if plan is not None else kvplan.uniform_plan(kvplan.Geometry.of(model), 4, 2, residual_length=8,
+                                                             **at_model_width(model))
+    kvplan.load(model, plan, attention=attention)
+    return model
+
+
+def test_a_generation_config_that_leaves_use_cache_unset_still_runs_on_the_plans_cache():
+    """transformers 5 leaves ``GenerationConfig().use_cache`` None (on); it used to be read as off, so generate
+    built its own unquantized cache -- from a generation_config passed, or a checkpoint's own."""
+    from transformers import GenerationConfig
+
+    model = _loaded_llama()
+    ids = _ids(40)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=GenerationConfig(
+        max_new_tokens=3, do_sample=False, return_dict_in_generate=True))
+    assert isinstance(out.cache, kvplan.KVPlanCache)
+    model.generation_config.use_cache = None  # as a checkpoint whose generation_config.json omits it
+    out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(out.cache, kvplan.KVPlanCache)
+    assert model.generate(input_ids=ids, max_new_tokens=3, use_cache=False, return_dict_in_generate=True).cache is None
+
+
+def test_a_left_padded_batch_without_a_mask_is_aligned_as_generate_infers_its_mask():
+    """generate infers the mask from pad_token_id when none is passed; the cache used to be left unaligned,
+    so a padded row was stored (and decoded) unlike the same prompt alone."""
+    model = tiny_llama(head_dim=32)
+    base = kvplan.uniform_plan(kvplan.Geometry.of(model), 2, 2, residual_length=8, **at_model_width(model))
+    kvplan.load(model, base.replace(quantizer=dataclasses.replace(base.quantizer, sink_length=1)))
+    alone = _ids(33, seed=2)
+    batch = torch.zeros(2, 45, dtype=torch.long)  # pad_token_id 0 on the left of row 1
+    batch[0], batch[1, 12:] = _ids(45, seed=1)[0], alone[0]
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    want = model.generate(input_ids=alone, attention_mask=torch.ones_like(alone), **kw)
+    got = model.generate(input_ids=batch, **kw)
+    assert got.cache.row_padding == [0, 12]
+    assert torch.allclose(torch.stack(got.logits, 1)[1], torch.stack(want.logits, 1)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_a_cache_of_another_kind_passed_to_generate_is_refused(keyword):
+    """A DynamicCache passed in used to be filled at full precision, silently."""
+    from transformers import DynamicCache
+
+    model = _loaded_llama()
+    with pytest.raises(KVPlanError, match=f"generate got a DynamicCache as {keyword}=.*kvplan.make_cache") as e:
+        model.generate(input_ids=_ids(20), max_new_tokens=2, **{keyword: DynamicCache()})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("attention", ["auto", "dequantize"])
+@pytest.mark.parametrize("implementation", ["static", "paged", "offloaded"])
+def test_generate_refuses_a_cache_implementation_that_would_replace_the_plans_cache(attention, implementation):
+    """``cache_implementation="paged"`` on the dequantize route used to switch to continuous batching and
+    generate on an unquantized cache; the others met transformers' 'Passing both ... and `cache`'."""
+    model = _loaded_llama(attention=attention)
+    ids = _ids(20)
+    with pytest.raises(KVPlanError, match=f"cache_implementation='{implementation}' \\(from cache_implementation=\\)"):
+        model.generate(input_ids=ids, max_new_tokens=2, cache_implementation=implementation)
+    model.generation_config.cache_implementation = implementation
+    with pytest.raises(KVPlanError, match="from model.generation_config"):
+        model.generate(input_ids=ids, max_new_tokens=2)
+    model.generation_config.cache_implementation = "hybrid"  # transformers drops it for a Cache passed in
+    assert isinstance(model.generate(input_ids=ids, max_new_tokens=2, return_dict_in_generate=True).cache,
+                      kvplan.KVPlanCache)
+
+
+def test_output_attentions_is_refused_where_kvplans_attention_runs_and_kept_on_the_dequantize_route():
+    """kvplan's attention function returns no weights: an eager model's attentions used to come back empty."""
+    ids = _ids(40)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+              return_dict_in_generate=True, output_attentions=True)
+    model = tiny_llama(head_dim=32)
+    model.set_attn_implementation("eager")
+    kvplan.load(model, "int4")
+    with pytest.raises(KVPlanError, match=r"output_attentions=True \(from output_attentions=\).*'dequantize'"):
+        model.generate(**kw)
+    kvplan.load(model, "int4", attention="dequantize")
+    out = model.generate(**kw)
+    assert out.attentions[0][0].shape == (1, 4, 40, 40) and isinstance(out.cache, kvplan.KVPlanCache)
