@@ -247,12 +247,14 @@ def test_argument_errors_come_before_the_work(monkeypatch, tmp_path, capsys):
     """sweep's --out-dir, eval's plan file and peer bits, search's journal and generate's token count are
     checked before any model loads: one line, exit 2, no traceback."""
     import kvplan.evaluation.runs
+    import kvplan.models
     from kvplan.cli import main
 
     def no_work(*a, **k):
         raise AssertionError("the work started")
 
     monkeypatch.setattr(kvplan.evaluation.runs, "_prepared_task", no_work)
+    monkeypatch.setattr(kvplan.models, "load_model", no_work)  # the search's scorer loads its model by it
     a_file = tmp_path / "results"
     a_file.write_text("not a folder")
     journal = tmp_path / "bad.log"
@@ -267,6 +269,12 @@ def test_argument_errors_come_before_the_work(monkeypatch, tmp_path, capsys):
         (["search", "--quiet", "--out", str(a_file / "p.yaml")], f"--out {a_file / 'p.yaml'}: cannot write into"),
         (["eval", "int4", "--samples", "1", "--quiet", "--out", str(a_file / "e.json")], "cannot write into"),
         (["eval", "int4", "--split", "all", "--samples", "1", "--quiet"], "split 'all' is for JSONL tasks"),
+        # an empty path, or one naming a folder, used to pass here and crash once the work was done
+        (["search", "--quiet", "--out", f"{tmp_path / 'new'}/"], f"--out {tmp_path / 'new'}/: ends with a path sep"),
+        (["search", "--quiet", "--out", ""], "--out: the path is empty"),
+        (["eval", "int4", "--samples", "1", "--quiet", "--out", f"{tmp_path}/"], "ends with a path separator"),
+        (["eval", "int4", "--samples", "1", "--quiet", "--out", ""], "--out: the path is empty"),
+        (["sweep", "--samples", "1", "--quiet", "--out-dir", ""], "--out-dir: the path is empty"),
         (["sweep", "--split", "all", "--samples", "1", "--quiet"], "split 'all' is for JSONL tasks"),
     ]:
         rc = main(argv)

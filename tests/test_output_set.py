@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
+from kvplan.errors import KVPlanError
 from kvplan.explain import explain
 from kvplan.plans import Plan
-from kvplan.plans._files import TMP_SUFFIX, write_file_set
+from kvplan.plans._files import TMP_SUFFIX, check_writable, write_file_set
 from kvplan.search import search
 from tests.search.synthetic import SyntheticScorer
 
@@ -75,7 +76,7 @@ def test_stale_temporary_files_are_removed_by_the_next_write(tmp_path):
 def test_a_failed_write_leaves_the_old_set_and_no_temporary_file(tmp_path):
     write_file_set({tmp_path / "x.yaml": "old x\n", tmp_path / "x.json": "old json\n"})
     os.mkdir(tmp_path / "x.csv")  # a directory where a file must go: the set cannot be written
-    with pytest.raises(OSError):
+    with pytest.raises(KVPlanError, match=f"^{tmp_path / 'x.csv'}: cannot write \\(Is a directory\\)$"):
         write_file_set({tmp_path / "x.yaml": "new x\n", tmp_path / "x.json": "new json\n",
                         tmp_path / "x.csv": "rows\n"})
     assert (tmp_path / "x.yaml").read_text() == "old x\n" and (tmp_path / "x.json").read_text() == "old json\n"
@@ -103,3 +104,12 @@ def test_each_budgets_plan_reads_the_shared_history_and_the_study_resumes_in_any
     again = search(scorer=SyntheticScorer(), out=str(tmp_path / "again.yaml"), budget=["3.0", "4.0"],
                    storage=storage, study_name="s", **fast)
     assert sorted(again.plans) == sorted(first.plans) == [3.0, 4.0]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_folder_that_refuses_new_files_is_found_before_the_work(tmp_path):
+    """/proc passes a permission check (as root), yet no file can be made there: the probe file finds it."""
+    with pytest.raises(KVPlanError, match="--out /proc/x.yaml: cannot write into /proc"):
+        check_writable("/proc/x.yaml", "--out", is_dir=False)
+    check_writable(tmp_path / "new" / "plan.yaml", "--out", is_dir=False)  # made as needed: fine
+    assert os.listdir(tmp_path) == []  # the probe is removed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 import time
 from typing import Mapping
 
@@ -46,8 +47,13 @@ def plan_sidecar_paths(plan_path) -> dict[str, str]:
 
 def check_writable(path, what: str, is_dir: bool, error: type[KVPlanError] = KVPlanError) -> None:
     """Raise ``error`` now, before the slow part, if ``path`` (a file, or a folder made as needed when
-    ``is_dir``) cannot be written; ``what`` names it in the message (an option, e.g. ``--html``)."""
+    ``is_dir``) cannot be written; ``what`` names it in the message (an option, e.g. ``--html``). The
+    nearest existing folder is tried with a probe file, which is removed at once."""
     path = os.fspath(path)
+    if not path.strip():
+        raise error(f"{what}: the path is empty")
+    if not is_dir and path.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
+        raise error(f"{what} {path}: ends with a path separator, so it names a folder: give a file name")
     if os.path.exists(path) and os.path.isdir(path) != is_dir:
         raise error(f"{what} {path}: exists and is {'not ' if is_dir else ''}a directory")
     parent = path if is_dir and os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
@@ -55,6 +61,12 @@ def check_writable(path, what: str, is_dir: bool, error: type[KVPlanError] = KVP
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise error(f"{what} {path}: cannot write into {parent}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvplan-probe.", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise error(f"{what} {path}: cannot write into {parent} ({e.strerror or e})") from None
 
 
 def existing_path(value) -> str | None:
@@ -189,6 +201,7 @@ def write_file_set(files: dict) -> None:
     during the renames (microseconds) can mix sets, which is why the search writes one
     ``run_id`` into every file of a set and ``kvplan explain`` checks it."""
     tmps: list[tuple[str, str]] = []
+    path = None
     try:
         for path, text in files.items():
             path = os.fspath(path)
@@ -208,10 +221,12 @@ def write_file_set(files: dict) -> None:
             os.replace(tmp, path)
         for folder in {os.path.dirname(os.path.abspath(p)) for _, p in tmps}:
             _fsync_dir(folder)
-    except BaseException:
+    except BaseException as e:
         for tmp, _ in tmps:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        if isinstance(e, OSError):  # the file the user named, not our temporary one
+            raise KVPlanError(f"{os.fspath(path)}: cannot write ({e.strerror or e})") from e
         raise
 
 
