@@ -315,3 +315,25 @@ def test_quiet_turns_off_transformers_progress_bars(monkeypatch, tmp_path):
         assert not transformers_logging.is_progress_bar_enabled()
     finally:
         transformers_logging.enable_progress_bar()
+
+
+@pytest.mark.parametrize("field, kind", [("images", "image"), ("video", "frame")])
+def test_a_missing_image_of_a_task_record_is_named_before_any_model_loads(monkeypatch, tmp_path, capsys, field, kind):
+    """Media paths used to be opened only once the model had loaded and the prompts were built."""
+    import json
+
+    import kvplan.models
+    from kvplan.cli import main
+
+    def no_work(*a, **k):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(kvplan.models, "load_model", no_work)
+    (tmp_path / "there.png").write_bytes(b"")  # exists: only the missing one is named
+    recs = [{"history": f"h{i}", "question": "q", field: ["there.png"]} for i in range(7)]
+    recs.append({"history": "h", "question": "q", field: ["there.png", "nope.png"]})
+    (tmp_path / "task.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["search", "--quiet", "--task", str(tmp_path / "task.jsonl"), "--out", str(tmp_path / "p.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"task.jsonl:8: field '{field}': {kind} file not found: {tmp_path / 'nope.png'}" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -238,6 +238,13 @@ def _check_record(rec, path, line: int) -> None:
     if video is not None and (not isinstance(video, list) or not video
                               or not all(isinstance(x, str) and x for x in video)):
         raise _record_error(path, line, "field 'video' must be a non-empty list of frame image paths", video)
+    base = os.path.dirname(os.path.abspath(path))  # relative media paths are the task file's
+    for field in ("images", "video"):
+        for media in rec.get(field) or ():
+            full = media if os.path.isabs(media) else os.path.join(base, media)
+            if not os.path.isfile(full):
+                raise _record_error(path, line, f"field {field!r}: {'image' if field == 'images' else 'frame'} "
+                                    f"file not found: {full}")
     choices = rec.get("choices")
     if choices is not None and (not isinstance(choices, list) or len(choices) < 2
                                 or not all(isinstance(c, str) and c for c in choices)):
