@@ -223,23 +223,26 @@ def test_no_command_writes_over_its_own_input(monkeypatch, tmp_path, capsys, cas
     task.write_text('{"history": "x", "question": "q", "choices": ["a", "b"], "answer": 0}\n')
     journal = tmp_path / "j.log"
     search = ["search", "--quiet", "--trials", "1", "--no-profile"]
-    argv, target, what = {
-        "explain --html plan": (["explain", str(plan), "--no-importance", "--html", str(plan)], plan, "plan"),
+    argv, target, what, option = {
+        "explain --html plan": (["explain", str(plan), "--no-importance", "--html", str(plan)], plan, "plan",
+                                "--html"),
         "explain --html trials": (["explain", str(plan), "--no-importance", "--html", str(trials)], trials,
-                                  "trial history"),
-        "eval --out plan": (["eval", str(plan), "--samples", "1", "--quiet", "--out", str(plan)], plan, "plan"),
+                                  "trial history", "--html"),
+        "eval --out plan": (["eval", str(plan), "--samples", "1", "--quiet", "--out", str(plan)], plan, "plan", "--out"),
         "search --out storage": (search + ["--storage", str(journal), "--study-name", "s", "--out", str(journal)],
-                                 journal, "storage"),
-        "search --out task": (search + ["--budget", "3", "--task", str(task), "--out", str(task)], task, "task file"),
+                                 journal, "storage", "--out"),
+        "search --out task": (search + ["--budget", "3", "--task", str(task), "--out", str(task)], task, "task file",
+                              "--out"),
         "search --out storage, 2 budgets": (search + ["--budget", "3", "2.5", "--storage", str(tmp_path / "p-3bpv.log"),
                                                       "--study-name", "s", "--out", str(tmp_path / "p.log")],
-                                            tmp_path / "p-3bpv.log", "storage"),
+                                            tmp_path / "p-3bpv.log", "storage", "--out's 3 bpv plan"),
     }[case]
     if not target.exists():  # the journal: made when the storage opens
         target.write_text("")
     rc = _unchanged_after(target, lambda: main(argv))
     err = capsys.readouterr().err
     assert rc == 2 and f"is the {what} this run reads" in err and "would overwrite" in err, err
+    assert err.startswith(f"kvplan: error: {option} {target}: "), err  # the option, not an internal name
     assert len(err.strip().splitlines()) == 1
 
 

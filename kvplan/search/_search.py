@@ -769,8 +769,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         outputs = output_paths(out, budgets)
         for path in outputs.values():
             check_writable(path, "--out", is_dir=False)
-        check_not_inputs(outputs, {"storage": storage_file(storage), "task file": existing_path(task),
-                                   "model": existing_path(model)})
+        named = {(f"--out's {key[5:]} bpv plan" if len(budgets) > 1 else "--out") if key.startswith("plan@")
+                 else f"--out's {key} sidecar": path for key, path in outputs.items()}  # the user's words
+        check_not_inputs(named, {"storage": storage_file(storage), "task file": existing_path(task),
+                                 "model": existing_path(model)})
     if heldout_scorer is not None:
         if test_scorer is not None:
             raise KVPlanError("pass test_scorer or its old name heldout_scorer, not both")
