@@ -40,6 +40,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_search(args) -> int:
+    from .plans._files import journal_path
     from .search import parse_budget, search
     from .search.storage import make_storage
 
@@ -95,7 +96,8 @@ def _cmd_search(args) -> int:
                     history_tokens=args.history_tokens, eval_tokens=args.eval_tokens, processes=args.processes,
                     context_len=args.context, pareto=args.pareto, surrogate=not args.no_surrogate,
                     worker=args.worker, progress=not args.quiet, heartbeat_interval=args.heartbeat_interval,
-                    grace_period=args.grace_period, finalize=args.finalize, **extra)
+                    grace_period=args.grace_period, finalize=args.finalize, keep_trials=not args.no_journal,
+                    **extra)
     if result.finalized_by is not None:
         by = result.finalized_by
         print(f"study {result.study.study_name}: finalized by another worker (host {by.get('host')}, "
@@ -116,6 +118,9 @@ def _cmd_search(args) -> int:
         trials += f" by this run ({result.n_study_trials} in the study)"
     print(f"{trials} + {result.n_profile_evals} profile evaluations in {result.elapsed_s:.0f} s; trial history: "
           f"{result.paths.get('trials', '(none)')}")
+    if args.storage is None and not args.no_journal and not args.finalize:
+        print(f"study {result.study.study_name} kept in {journal_path(args.out)}: the same command resumes it "
+              "(delete that file to start over)")
     return 0
 
 
@@ -250,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(one machine), sqlite:///file.db, or postgresql://user@host:5432/db (several machines; "
                    "pip install 'kvplan[postgres]')")
     s.add_argument("--study-name", help="study to create, join (parallel workers) or resume")
+    s.add_argument("--no-journal", action="store_true",
+                   help="without --storage, keep the study in memory only: an interruption loses its trials (by "
+                        "default it is kept in <out stem>.journal, and the same command run again resumes it)")
     s.add_argument("--worker", type=_non_negative, help="worker index when several processes share a study "
                    "(seeds its sampler; each worker of a study should have its own)")
     s.add_argument("--heartbeat-interval", type=_positive, default=10, metavar="S",

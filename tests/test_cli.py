@@ -121,22 +121,14 @@ def test_search_budget_below_cheapest_fails_fast():
 def test_search_head_profile_option_reaches_the_search(monkeypatch, tmp_path, value, expected):
     """``--head-profile all`` asks for every unit (``None``), a number for that many; without it the
     search's own default applies (the option passes nothing)."""
-    import types
-
     import kvplan.search
     from kvplan.cli import main
 
-    seen = {}
-
-    def fake_search(**kwargs):
-        seen.update(kwargs)
-        return types.SimpleNamespace(finalized_by=None, plans={}, paths={}, n_real_evals=0, n_study_trials=0,
-                                     n_profile_evals=0, elapsed_s=0.0)
-
-    monkeypatch.setattr(kvplan.search, "search", fake_search)
+    seen = []
+    monkeypatch.setattr(kvplan.search, "search", _fake_search(seen))
     argv = ["search", "--quiet", "--out", str(tmp_path / "p.yaml")] + ([] if value is None else ["--head-profile", value])
     assert main(argv) == 0
-    assert seen.get("profile_head_units", "unset") == expected
+    assert seen[-1].get("profile_head_units", "unset") == expected
 
 
 @pytest.mark.parametrize("flags,refused", [
@@ -300,6 +292,33 @@ def test_search_head_profile_where_no_head_is_profiled_is_refused(capsys, flags)
     assert "--head-profile 5: the profile measures KV heads one by one only" in err and flags[-1] in err
 
 
+def _fake_search(seen=None):
+    """A stand-in for kvplan.search.search that records its keyword arguments in ``seen``."""
+    import types
+
+    def fake(**kwargs):
+        if seen is not None:
+            seen.append(kwargs)
+        return types.SimpleNamespace(finalized_by=None, plans={}, paths={}, n_real_evals=0, n_study_trials=0,
+                                     n_profile_evals=0, elapsed_s=0.0, study=types.SimpleNamespace(study_name="s"))
+    return fake
+
+
+def test_search_keeps_its_study_in_a_journal_beside_out_unless_told_not_to(monkeypatch, tmp_path, capsys):
+    import kvplan.search
+    from kvplan.cli import main
+
+    seen = []
+    monkeypatch.setattr(kvplan.search, "search", _fake_search(seen))
+    assert main(["search", "--quiet", "--out", str(tmp_path / "p.yaml")]) == 0
+    assert seen[-1]["keep_trials"] and f"kept in {tmp_path / 'p.journal'}: the same command resumes it" in \
+        capsys.readouterr().out
+    assert main(["search", "--quiet", "--no-journal", "--out", str(tmp_path / "p.yaml")]) == 0
+    assert not seen[-1]["keep_trials"] and "kept in" not in capsys.readouterr().out
+    assert main(["search", "--quiet", "--storage", str(tmp_path / "s.journal"), "--out", str(tmp_path / "p.yaml")]) == 0
+    assert seen[-1]["storage"] is not None and "kept in" not in capsys.readouterr().out
+
+
 def test_quiet_turns_off_transformers_progress_bars(monkeypatch, tmp_path):
     """--quiet also silences transformers' own bars (its "Loading weights" bar when a model loads)."""
     import types
@@ -308,8 +327,7 @@ def test_quiet_turns_off_transformers_progress_bars(monkeypatch, tmp_path):
     from kvplan.cli import main
     from transformers.utils import logging as transformers_logging
 
-    monkeypatch.setattr(kvplan.search, "search", lambda **k: types.SimpleNamespace(
-        finalized_by=None, plans={}, paths={}, n_real_evals=0, n_study_trials=0, n_profile_evals=0, elapsed_s=0.0))
+    monkeypatch.setattr(kvplan.search, "search", _fake_search())
     transformers_logging.enable_progress_bar()
     try:
         assert main(["search", "--out", str(tmp_path / "p.yaml")]) == 0

@@ -22,6 +22,12 @@ def sidecar_paths(out) -> dict[str, str]:
     return {"plan": out, "trials": stem + ".trials.csv", "search": stem + ".search.json"}
 
 
+def journal_path(out) -> str:
+    """The Optuna journal a search writing ``out`` keeps its study in when given no storage
+    (``<stem>.journal``), so that an interrupted search resumes where it stopped."""
+    return sidecar_paths(out)["trials"][: -len(".trials.csv")] + ".journal"
+
+
 def budget_plan_path(out, budget: float) -> str:
     """The plan file of one budget of a search over several, writing ``out``: ``<stem>-<b>bpv<ext>``
     (``.yaml`` when ``out`` has no extension); the search's sidecars stay ``out``'s own."""

@@ -95,7 +95,7 @@ from .space import (DEFAULT_BITS, DEFAULT_GROUP_SIZES, DEFAULT_HEAVY_LENGTH, DEF
                     DEFAULT_RESIDUAL_BITS, DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS, DEFAULT_SINK_LENGTHS,
                     DEFAULT_TRIALS, SearchSpace)
 from ..errors import describe
-from ..plans._files import (budget_plan_path, check_not_inputs, check_writable, existing_path,
+from ..plans._files import (budget_plan_path, check_not_inputs, check_writable, existing_path, journal_path,
                             sidecar_paths, write_file_set)  # noqa: F401 -- sidecar_paths is public
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
                        run_once, tell)
@@ -678,7 +678,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
            grace_period: int | None = DEFAULT_GRACE_S, finalize: bool = False, labelling=None,
            processes: int | None = None, samples: int | None = None, validation_samples: int | None = None,
            test_samples: int | None = None, history_tokens: int | None = None,
-           eval_tokens: int | None = None) -> SearchResult:
+           eval_tokens: int | None = None, keep_trials: bool = False) -> SearchResult:
     """Search a mixed-precision KV-cache plan under an honest bpv budget.
 
     ``model``: a model name/path or a loaded ``(model, processor)`` pair, scored on ``task``
@@ -694,7 +694,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     total real evaluations the study should hold (across workers and resumes; the
     sensitivity profile's evaluations come on top). ``storage``/``study_name``: share or
     resume a study (journal file path or RDB URL). ``out``: plan path (``None``, the
-    default: no files; the CLI writes ``plan.yaml``).
+    default: no files; the CLI writes ``plan.yaml``). ``keep_trials`` (the CLI's default): with an ``out``
+    and no ``storage``, the study is kept in ``<out stem>.journal`` under a name that states its setup
+    (model, data, budgets, search space), so the same command run again after an interruption resumes it
+    and another setup starts its own study in the same file.
     ``profile``: run the sensitivity profile (``True``), skip it (``False``), or use a profile
     measured before on the same scorer (a name -> KL mapping, as in ``result.profile``).
     ``profile_head_units``: how many of the most damaging (layer, K/V) units the profile also
@@ -765,10 +768,14 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     # in increasing order, whatever order they were given in: a study's name and setup do not depend on it
     budgets = sorted(parse_budget(b) for b in (budget if isinstance(budget, (list, tuple)) else [budget]))
     multi = pareto or len(budgets) > 1
+    own_journal = keep_trials and storage is None and out is not None and not finalize
     if out is not None:  # the plan files and their sidecars: writable, and not on what the search reads
         outputs = output_paths(out, budgets)
         for path in outputs.values():
             check_writable(path, "--out", is_dir=False)
+        if own_journal:  # opened (made) only once the setup is known good, below
+            storage = journal_path(out)
+            check_writable(storage, "--out's study journal", is_dir=False)
         named = {(f"--out's {key[5:]} bpv plan" if len(budgets) > 1 else "--out") if key.startswith("plan@")
                  else f"--out's {key} sidecar": path for key, path in outputs.items()}  # the user's words
         check_not_inputs(named, {"storage": storage_file(storage), "task file": existing_path(task),
@@ -848,11 +855,6 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         st = make_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period)
         label = describe_storage(storage)
         persistent = is_persistent(st)
-        study_name = study_name or f"kvplan-{granularity}-{'-'.join(f'{b:g}' for b in budgets)}bpv-s{seed}"
-        strategy = SurrogateSettings(enabled=surrogate, n_candidates=n_candidates, n_local=n_local, top_k=top_k,
-                                     n_startup=n_startup, kappa=kappa, offset=surrogate_offset)
-        study, sampler_seed = _open_study(st, study_name, label, multi=multi, finalize=finalize, seed=seed,
-                                          worker=worker, n_startup=strategy.n_startup)
         # what a worker must share with the study to join it (refused otherwise, naming the difference)
         identity = _plain({
             "model": {"name": model_name, "model_type": geometry.model_type, "fingerprint": geometry.fingerprint},
@@ -860,6 +862,14 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
             "reference": {"context_len": reference.context_len, "modality_mix": dict(reference.modality_mix),
                           "full_precision_bits": reference.full_precision_bits},
             "space": config.identity()})
+        if study_name is None:
+            study_name = f"kvplan-{granularity}-{'-'.join(f'{b:g}' for b in budgets)}bpv-s{seed}"
+            if own_journal:  # one study per setup in the journal beside --out: a rerun resumes its own
+                study_name += "-" + key_hash(json.dumps(identity, sort_keys=True, default=str))[:10]
+        strategy = SurrogateSettings(enabled=surrogate, n_candidates=n_candidates, n_local=n_local, top_k=top_k,
+                                     n_startup=n_startup, kappa=kappa, offset=surrogate_offset)
+        study, sampler_seed = _open_study(st, study_name, label, multi=multi, finalize=finalize, seed=seed,
+                                          worker=worker, n_startup=strategy.n_startup)
         _check_identity(study, identity, study_name, label)
         owner = {**owner_attrs(), "worker": worker, "data_hash": data_hash}
         hb = Heartbeat(st)

@@ -221,3 +221,41 @@ def test_recent_copies_are_profiled_and_chosen_when_they_pay():
     assert recent_factor(r.profile, 0) == 1.0 and recent_factor(None, 16) == 1.0
     assert r.plan.quantizer.recent_length == 16
     assert r.plan.bpv().total <= 2.8 + 1e-9 and r.plan.bpv().residual > 0
+
+
+class Interrupting(SyntheticScorer):
+    """Ctrl-C after ``after`` trials (the profile's evaluations are not counted)."""
+
+    def __init__(self, after, **kw):
+        super().__init__(**kw)
+        self.after, self.trials = after, 0
+
+    def __call__(self, plan):
+        if not plan.provenance.produced_by.endswith("profile"):
+            self.trials += 1
+            if self.trials > self.after:
+                raise KeyboardInterrupt
+        return super().__call__(plan)
+
+
+def test_an_interrupted_search_keeps_its_trials_beside_out_and_the_same_call_resumes(tmp_path):
+    """Without a storage, the study lived in memory: Ctrl-C lost every measured trial, and running the
+    command again started from zero."""
+    out = tmp_path / "plan.yaml"
+    kw = dict(budget=3.0, n_trials=10, out=out, keep_trials=True, worker=0, **FAST)
+    with pytest.raises(KeyboardInterrupt):
+        search(scorer=Interrupting(after=4), **kw)
+    assert (tmp_path / "plan.journal").exists() and not out.exists()
+    sc = SyntheticScorer()
+    r = search(scorer=sc, **kw)
+    assert r.n_study_trials == 10 and r.n_real_evals == 6 and out.exists()
+    assert sc.calls < 10 + 3  # the 4 trials measured before the interruption are not measured again
+    other = search(scorer=SyntheticScorer(), **{**kw, "budget": 2.8})  # another setup: its own study, same file
+    assert other.n_real_evals == 10 and other.study.study_name != r.study.study_name
+    assert r.study.study_name.startswith("kvplan-slot-3bpv-s0-")
+
+
+def test_without_keep_trials_or_out_no_journal_is_written(tmp_path):
+    out = tmp_path / "plan.yaml"
+    search(budget=3.0, n_trials=3, scorer=SyntheticScorer(), out=out, **FAST)
+    assert sorted(os.listdir(tmp_path)) == ["plan.search.json", "plan.trials.csv", "plan.yaml"]
