@@ -1019,12 +1019,15 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
 
             try:
                 # a harness scorer skips the full-precision layers in front of each profile unit
+                # measurements an interrupted setup saved are kept (the profile is saved whole at the end)
+                saved = attrs.get("kvplan.profile_partial") or {}
                 prof = run_profile(getattr(scorer, "score_profile_plan", scorer), space, reference, progress=tick,
-                                   n_head_units=profile_head_units)
+                                   n_head_units=profile_head_units, done=saved,
+                                   save=lambda so_far: study.set_user_attr("kvplan.profile_partial", so_far))
             finally:
                 if bar is not None:
                     bar.close()
-            n_profile_evals = len(prof)
+            n_profile_evals = len(prof) - len(saved.keys() & prof.keys())
             study.set_user_attr("kvplan.profile_by", owner)
         streamed = []
         if config.stream_window and prof is not None:

@@ -115,20 +115,35 @@ def profile_plans(space: SearchSpace, reference: Reference) -> dict[str, Plan]:
     return _unit_plans(space, reference, profile_units(space))
 
 
+PROFILE_SAVE_EVERY = 16  # measurements between two calls of run_profile's ``save``
+
+
 def run_profile(score: Callable[[Plan], Mapping], space: SearchSpace, reference: Reference,
                 progress: Callable[[int, int], None] | None = None,
-                n_head_units: int | None = DEFAULT_HEAD_UNITS) -> dict[str, float]:
+                n_head_units: int | None = DEFAULT_HEAD_UNITS, done: Mapping[str, float] | None = None,
+                save: Callable[[dict[str, float]], None] | None = None) -> dict[str, float]:
     """Measure every unit, then the heads of the ``n_head_units`` worst (layer, kind) units
-    (``None``: of every unit); returns name -> mean KL."""
+    (``None``: of every unit); returns name -> mean KL. ``done``: measurements an interrupted run
+    saved, taken as they are (scores are deterministic); ``save`` gets the measurements so far every
+    :data:`PROFILE_SAVE_EVERY` new ones."""
     plans = profile_plans(space, reference)
     n_heads = _n_head_units(space, n_head_units) * space.shape[1]
     recent = recent_plans(space, reference)
     total = len(plans) + n_heads + (2 if space.corrects_keys else 0) + len(recent)
     out: dict[str, float] = {}
+    done = done or {}
+    fresh = 0
 
     def measure(batch: Mapping[str, Plan]) -> None:
+        nonlocal fresh
         for name, plan in batch.items():
-            out[name] = float(score(plan)["kl"])
+            if name in done:
+                out[name] = float(done[name])
+            else:
+                out[name] = float(score(plan)["kl"])
+                fresh += 1
+                if save is not None and fresh % PROFILE_SAVE_EVERY == 0:
+                    save(dict(out))
             if progress:
                 progress(len(out), total)
 

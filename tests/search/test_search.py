@@ -259,3 +259,32 @@ def test_without_keep_trials_or_out_no_journal_is_written(tmp_path):
     out = tmp_path / "plan.yaml"
     search(budget=3.0, n_trials=3, scorer=SyntheticScorer(), out=out, **FAST)
     assert sorted(os.listdir(tmp_path)) == ["plan.search.json", "plan.trials.csv", "plan.yaml"]
+
+
+class InterruptingProfile(SyntheticScorer):
+    """Ctrl-C at the ``after``-th profile evaluation."""
+
+    def __init__(self, after, **kw):
+        super().__init__(**kw)
+        self.after, self.profiled = after, 0
+
+    def __call__(self, plan):
+        if plan.provenance.produced_by.endswith("profile"):
+            self.profiled += 1
+            if self.profiled > self.after:
+                raise KeyboardInterrupt
+        return super().__call__(plan)
+
+
+def test_an_interrupted_profile_keeps_what_it_measured_and_the_rerun_measures_only_the_rest(tmp_path):
+    """The sensitivity profile was saved only once complete: an interruption threw its measurements away."""
+    from kvplan.search.sensitivity import PROFILE_SAVE_EVERY
+
+    kw = dict(budget=3.0, n_trials=4, keep_trials=True, worker=0, **FAST)
+    fresh = search(scorer=SyntheticScorer(), out=tmp_path / "a" / "plan.yaml", **kw)
+    assert fresh.n_profile_evals > 2 * PROFILE_SAVE_EVERY + 8
+    with pytest.raises(KeyboardInterrupt):
+        search(scorer=InterruptingProfile(after=2 * PROFILE_SAVE_EVERY + 8), out=tmp_path / "b" / "plan.yaml", **kw)
+    resumed = search(scorer=SyntheticScorer(), out=tmp_path / "b" / "plan.yaml", **kw)
+    assert resumed.n_profile_evals == fresh.n_profile_evals - 2 * PROFILE_SAVE_EVERY
+    assert resumed.profile == fresh.profile and resumed.plan.to_dict()["bits"] == fresh.plan.to_dict()["bits"]
