@@ -220,7 +220,8 @@ def test_no_command_writes_over_its_own_input(monkeypatch, tmp_path, capsys, cas
                                 "--html"),
         "explain --html trials": (["explain", str(plan), "--no-importance", "--html", str(trials)], trials,
                                   "trial history", "--html"),
-        "eval --out plan": (["eval", str(plan), "--samples", "1", "--quiet", "--out", str(plan)], plan, "plan", "--out"),
+        "eval --out plan": (["eval", str(plan), "--samples", "1", "--quiet", "--out", str(plan)], plan, "plan",
+                            "--out"),
         "search --out storage": (search + ["--storage", str(journal), "--study-name", "s", "--out", str(journal)],
                                  journal, "storage", "--out"),
         "search --out task": (search + ["--budget", "3", "--task", str(task), "--out", str(task)], task, "task file",
@@ -321,8 +322,6 @@ def test_search_keeps_its_study_in_a_journal_beside_out_unless_told_not_to(monke
 
 def test_quiet_turns_off_transformers_progress_bars(monkeypatch, tmp_path):
     """--quiet also silences transformers' own bars (its "Loading weights" bar when a model loads)."""
-    import types
-
     import kvplan.search
     from kvplan.cli import main
     from transformers.utils import logging as transformers_logging
