@@ -556,10 +556,15 @@ class KVPlanLayer(CacheLayerMixin):
         if self.heavy is not None and first_candidate < target:
             self.heavy.add_candidates(first_candidate, {kind: self.residual[kind].parts(
                 first_candidate - self.committed, n) for kind in KINDS})
+        sink_end = self.owner.sink_length
         for kind in KINDS:
             for label, start, length, blocks in new[kind]:
                 segs = self.segments[kind]
+                # a sink segment never absorbs the slots after it, even where their layouts match (token-axis
+                # values at the sink's bits): keys and values then list the same segments, as the fused
+                # Triton kernel reads them, pair by pair
                 if (segs and segs[-1].modality == label and segs[-1].start + segs[-1].length == start
+                        and (segs[-1].start < sink_end) == (start < sink_end)
                         and [b.layout() for b in segs[-1].blocks] == [b.layout() for b in blocks]):
                     for old, blk in zip(segs[-1].blocks, blocks):
                         old.append(blk)

@@ -95,3 +95,18 @@ def test_fused_kernels_read_coded_sinks_like_the_dequantize_route(attention):
                             key_pre_rope=True)
     plan = base.replace(quantizer=q, rope_inv_freq=rope_inv_freq(model))
     generate_like_dequantize(model, plan, attention, max_new_tokens=40)
+
+
+@pytest.mark.parametrize("attention", KERNELS)
+@pytest.mark.parametrize("value_bits, sink_bits", [(16, 16), (8, 8)])
+def test_values_stored_like_the_sink_stay_their_own_segment_on_every_kernel(attention, value_bits, sink_bits):
+    """Token-axis values at the sink's bits and format used to merge into the sink's segment while the
+    channel-axis keys did not: keys and values then listed different segments, and the Triton kernel,
+    which reads them pair by pair, refused the cache ('must list the same segments')."""
+    model = tiny_llama(head_dim=64)
+    plan = with_quantizer(uniform_plan(Geometry.of(model), 2, value_bits, group_size=32, residual_length=8,
+                                       sink_length=1), sink_bits=sink_bits)
+    out, _ = generate_like_dequantize(model, plan, attention, max_new_tokens=8)
+    layer = out.cache.layers[0]
+    assert [(s.start, s.length) for s in layer.segments["v"]] == [(s.start, s.length) for s in layer.segments["k"]]
+    assert layer.segments["v"][0].length == 1  # the sink, alone
