@@ -869,7 +869,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         strategy = SurrogateSettings(enabled=surrogate, n_candidates=n_candidates, n_local=n_local, top_k=top_k,
                                      n_startup=n_startup, kappa=kappa, offset=surrogate_offset)
         study, sampler_seed = _open_study(st, study_name, label, multi=multi, finalize=finalize, seed=seed,
-                                          worker=worker, n_startup=strategy.n_startup)
+                                          worker=worker, n_startup=strategy.n_startup, shared=not own_journal)
         _check_identity(study, identity, study_name, label)
         owner = {**owner_attrs(), "worker": worker, "data_hash": data_hash}
         hb = Heartbeat(st)
@@ -884,7 +884,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
 
 
 def _open_study(st, study_name: str, label, *, multi: bool, finalize: bool, seed: int, worker: int | None,
-                n_startup: int) -> tuple[optuna.Study, int]:
+                n_startup: int, shared: bool = True) -> tuple[optuna.Study, int]:
     """``(study, sampler seed)``: the study ``study_name`` in storage ``st`` (``None``: in memory), created
     or joined, or loaded as it is to ``finalize`` it, with its TPE sampler. Workers of a shared study each
     seed their sampler differently (``worker``'s index, else the process and the trials already there)."""
@@ -898,13 +898,13 @@ def _open_study(st, study_name: str, label, *, multi: bool, finalize: bool, seed
     else:
         study = optuna.create_study(storage=st, study_name=study_name, load_if_exists=True,
                                     directions=["minimize", "minimize"] if multi else ["minimize"])
+    n_existing = len(study.get_trials(deepcopy=False)) if is_persistent(st) else 0
     if worker is not None:
         sampler_seed = seed + 7919 * worker
-    elif is_persistent(st):
-        n_existing = len(study.get_trials(deepcopy=False))
+    elif is_persistent(st) and shared:
         sampler_seed = (seed * 1_000_003 + os.getpid() * 31 + n_existing) % (2 ** 31)
-    else:
-        sampler_seed = seed
+    else:  # one process (in memory, or its own journal): a fresh study samples as in memory, a resumed one
+        sampler_seed = seed + 7919 * n_existing  # from where it stopped, the same way every time
     study.sampler = optuna.samplers.TPESampler(seed=sampler_seed, multivariate=True, n_startup_trials=n_startup,
                                                constant_liar=True)
     return study, sampler_seed
@@ -1003,6 +1003,12 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
                            if metric is not None else None)
         space = config.space(basis, metric)
         prof = attrs.get("kvplan.profile")
+        # measurements an interrupted setup saved are kept (the profile is saved whole at the end)
+        saved = attrs.get("kvplan.profile_partial") or {}
+
+        def save_partial(so_far: dict[str, float]) -> None:
+            study.set_user_attr("kvplan.profile_partial", {**(prof or {}), **so_far})
+
         if isinstance(profile, Mapping):
             prof = {str(k): float(v) for k, v in profile.items()}
         elif profile and prof is None:
@@ -1019,11 +1025,8 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
 
             try:
                 # a harness scorer skips the full-precision layers in front of each profile unit
-                # measurements an interrupted setup saved are kept (the profile is saved whole at the end)
-                saved = attrs.get("kvplan.profile_partial") or {}
                 prof = run_profile(getattr(scorer, "score_profile_plan", scorer), space, reference, progress=tick,
-                                   n_head_units=profile_head_units, done=saved,
-                                   save=lambda so_far: study.set_user_attr("kvplan.profile_partial", so_far))
+                                   n_head_units=profile_head_units, done=saved, save=save_partial)
             finally:
                 if bar is not None:
                     bar.close()
@@ -1034,8 +1037,8 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
             if not any(".stream.h" in k for k in prof):
                 say("streaming profile: each full-attention KV head streamed alone")
                 stream = run_streaming_profile(getattr(scorer, "score_profile_plan", scorer), space, reference,
-                                               config.stream_window)
-                n_profile_evals += len(stream)
+                                               config.stream_window, done=saved, save=save_partial)
+                n_profile_evals += len(stream) - len(saved.keys() & stream.keys())
                 prof = {**prof, **stream}
             if not any(k in prof for k in (STREAM_SCALE_KEY, *STREAM_PARTS_KEYS)):
                 calibration = calibrate_streaming(getattr(scorer, "score_profile_plan", scorer), space, reference,

@@ -115,7 +115,37 @@ def profile_plans(space: SearchSpace, reference: Reference) -> dict[str, Plan]:
     return _unit_plans(space, reference, profile_units(space))
 
 
-PROFILE_SAVE_EVERY = 16  # measurements between two calls of run_profile's ``save``
+PROFILE_SAVE_EVERY = 16  # new measurements between two calls of a profile's ``save``
+
+
+class ResumableMeasurements:
+    """The KL of named plans, measured one by one into ``out``: a name an interrupted run saved
+    (``done``) is taken as measured (scores are deterministic); ``save`` gets the measurements so far
+    every :data:`PROFILE_SAVE_EVERY` new ones and at :meth:`finish`; ``progress(done, total)``."""
+
+    def __init__(self, score: Callable[[Plan], Mapping], total: int, done: Mapping[str, float] | None = None,
+                 save: Callable[[dict[str, float]], None] | None = None,
+                 progress: Callable[[int, int], None] | None = None):
+        self.score, self.total, self.done, self.save, self.progress = score, total, done or {}, save, progress
+        self.out: dict[str, float] = {}
+        self.fresh = 0  # measured by this run
+
+    def measure(self, batch: Mapping[str, Plan]) -> None:
+        for name, plan in batch.items():
+            if name in self.done:
+                self.out[name] = float(self.done[name])
+            else:
+                self.out[name] = float(self.score(plan)["kl"])
+                self.fresh += 1
+                if self.save is not None and self.fresh % PROFILE_SAVE_EVERY == 0:
+                    self.save(dict(self.out))
+            if self.progress:
+                self.progress(len(self.out), self.total)
+
+    def finish(self) -> dict[str, float]:
+        if self.save is not None and self.fresh % PROFILE_SAVE_EVERY:
+            self.save(dict(self.out))
+        return self.out
 
 
 def run_profile(score: Callable[[Plan], Mapping], space: SearchSpace, reference: Reference,
@@ -123,36 +153,21 @@ def run_profile(score: Callable[[Plan], Mapping], space: SearchSpace, reference:
                 n_head_units: int | None = DEFAULT_HEAD_UNITS, done: Mapping[str, float] | None = None,
                 save: Callable[[dict[str, float]], None] | None = None) -> dict[str, float]:
     """Measure every unit, then the heads of the ``n_head_units`` worst (layer, kind) units
-    (``None``: of every unit); returns name -> mean KL. ``done``: measurements an interrupted run
-    saved, taken as they are (scores are deterministic); ``save`` gets the measurements so far every
-    :data:`PROFILE_SAVE_EVERY` new ones."""
+    (``None``: of every unit); returns name -> mean KL. ``done`` / ``save``: measurements an
+    interrupted run saved, and where to save them (:class:`ResumableMeasurements`)."""
     plans = profile_plans(space, reference)
     n_heads = _n_head_units(space, n_head_units) * space.shape[1]
     recent = recent_plans(space, reference)
     total = len(plans) + n_heads + (2 if space.corrects_keys else 0) + len(recent)
-    out: dict[str, float] = {}
-    done = done or {}
-    fresh = 0
-
-    def measure(batch: Mapping[str, Plan]) -> None:
-        nonlocal fresh
-        for name, plan in batch.items():
-            if name in done:
-                out[name] = float(done[name])
-            else:
-                out[name] = float(score(plan)["kl"])
-                fresh += 1
-                if save is not None and fresh % PROFILE_SAVE_EVERY == 0:
-                    save(dict(out))
-            if progress:
-                progress(len(out), total)
+    run = ResumableMeasurements(score, total, done, save, progress)
+    measure, out = run.measure, run.out
 
     measure(plans)
     measure(_unit_plans(space, reference, head_units(space, out, n_head_units)))
     if space.corrects_keys:
         measure(correction_plans(space, reference))
     measure(recent)
-    return out
+    return run.finish()
 
 
 def recent_plans(space: SearchSpace, reference: Reference) -> dict[str, Plan]:

@@ -33,7 +33,7 @@ from ..models.geometry import Geometry
 from ..plans import Plan, Provenance, QuantizerSettings, Reference
 from ..plans.accounting import committed_length, stream_tokens
 from .budget import BpvModel, greedy_knapsack, group_damage
-from .sensitivity import correction_factor, profile_quantizer, slot_sensitivity
+from .sensitivity import ResumableMeasurements, correction_factor, profile_quantizer, slot_sensitivity
 from .space import SearchSpace
 
 
@@ -69,16 +69,15 @@ def streaming_plans(space: SearchSpace, reference: Reference, stream_window: int
 
 
 def run_streaming_profile(score: Callable[[Plan], Mapping], space: SearchSpace, reference: Reference,
-                          stream_window: int, progress: Callable[[int, int], None] | None = None
-                          ) -> dict[str, float]:
-    """KL of each full-attention KV head streamed alone (:func:`streaming_plans`)."""
+                          stream_window: int, progress: Callable[[int, int], None] | None = None,
+                          done: Mapping[str, float] | None = None,
+                          save: Callable[[dict[str, float]], None] | None = None) -> dict[str, float]:
+    """KL of each full-attention KV head streamed alone (:func:`streaming_plans`); ``done`` / ``save``:
+    measurements an interrupted run saved, and where to save them (:class:`.ResumableMeasurements`)."""
     plans = streaming_plans(space, reference, stream_window)
-    out = {}
-    for name, plan in plans.items():
-        out[name] = float(score(plan)["kl"])
-        if progress:
-            progress(len(out), len(plans))
-    return out
+    run = ResumableMeasurements(score, len(plans), done, save, progress)
+    run.measure(plans)
+    return run.finish()
 
 
 # profile entries of the streaming calibration (:func:`calibrate_streaming`)

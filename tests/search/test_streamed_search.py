@@ -169,3 +169,34 @@ def test_calibration_scales_the_streaming_damage_by_two_real_evaluations():
     # nothing to compare where the optimum streams no head
     assert calibrate_streaming(scorer, space, REF, {k: v for k, v in profile.items() if ".stream." not in k}, 8,
                                budget) == {}
+
+
+class InterruptingStreamProfile(StreamingScorer):
+    """Ctrl-C at the ``after``-th plan with a streamed head (the streaming profile's evaluations)."""
+
+    def __init__(self, cheap, after):
+        super().__init__(cheap)
+        self.after, self.streamed_plans = after, 0
+
+    def __call__(self, plan):
+        if (plan.code_table() == STREAMED).any():
+            self.streamed_plans += 1
+            if self.streamed_plans > self.after:
+                raise KeyboardInterrupt
+        return super().__call__(plan)
+
+
+def test_an_interrupted_streaming_profile_keeps_both_profiles_measurements(tmp_path):
+    """The streaming profile after the sensitivity profile was measured whole again after an interruption,
+    and the sensitivity profile with it (saved only when both were done)."""
+    cheap = [(1, 0), (4, 1)]
+    kw = dict(budget="2.3", n_trials=3, stream_window=8, progress=False, seed=0, keep_trials=True,
+              group_sizes=(128,), residual_lengths=(0,), sink_lengths=(1,), recent_lengths=(0,))
+    fresh = search(scorer=StreamingScorer(cheap), out=tmp_path / "a" / "plan.yaml", **kw)
+    sensitivity = [k for k in fresh.profile if ".stream.h" not in k and not k.startswith("streaming.")]
+    assert len(sensitivity) > 20
+    with pytest.raises(KeyboardInterrupt):  # 8 of the 12 heads streamed alone measured
+        search(scorer=InterruptingStreamProfile(cheap, after=8), out=tmp_path / "b" / "plan.yaml", **kw)
+    resumed = search(scorer=StreamingScorer(cheap), out=tmp_path / "b" / "plan.yaml", **kw)
+    assert resumed.n_profile_evals == fresh.n_profile_evals - len(sensitivity)  # none of those measured again
+    assert resumed.profile == fresh.profile
