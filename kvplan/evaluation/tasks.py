@@ -238,10 +238,10 @@ def _check_record(rec, path, line: int) -> None:
     if video is not None and (not isinstance(video, list) or not video
                               or not all(isinstance(x, str) and x for x in video)):
         raise _record_error(path, line, "field 'video' must be a non-empty list of frame image paths", video)
-    base = os.path.dirname(os.path.abspath(path))  # relative media paths are the task file's
+    base = os.path.dirname(os.path.abspath(path))
     for field in ("images", "video"):
         for media in rec.get(field) or ():
-            full = media if os.path.isabs(media) else os.path.join(base, media)
+            full = _media_path(media, base)
             if not os.path.isfile(full):
                 raise _record_error(path, line, f"field {field!r}: {'image' if field == 'images' else 'frame'} "
                                     f"file not found: {full}")
@@ -319,11 +319,15 @@ def _tokenizer_of(processor):
     return getattr(processor, "tokenizer", processor)
 
 
+def _media_path(path: str, base: str) -> str:
+    """An image or frame path of a record: relative ones are the task file's folder's (``base``)."""
+    return path if os.path.isabs(path) else os.path.join(base, path)
+
+
 def _load_image(path: str, rec: dict[str, Any]):
     from PIL import Image, UnidentifiedImageError
 
-    base = rec.get("_base", ".")
-    full = path if os.path.isabs(path) else os.path.join(base, path)
+    full = _media_path(path, rec.get("_base", "."))
     where = f"record {rec.get('id')} (line {rec.get('_line', '?')})"
     try:
         return Image.open(full).convert("RGB")

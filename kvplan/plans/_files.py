@@ -18,14 +18,19 @@ def sidecar_paths(out) -> dict[str, str]:
     """The files of one search's output set: ``{"plan": out, "trials": <stem>.trials.csv,
     "search": <stem>.search.json}``."""
     out = os.fspath(out)
-    stem = out[: -len(".yaml")] if out.endswith(".yaml") else out[: -len(".yml")] if out.endswith(".yml") else out
+    stem = _plan_stem(out)
     return {"plan": out, "trials": stem + ".trials.csv", "search": stem + ".search.json"}
+
+
+def _plan_stem(out: str) -> str:
+    """``out`` without its ``.yaml`` / ``.yml`` extension: what a search's sidecars are named after."""
+    return out[: -len(".yaml")] if out.endswith(".yaml") else out[: -len(".yml")] if out.endswith(".yml") else out
 
 
 def journal_path(out) -> str:
     """The Optuna journal a search writing ``out`` keeps its study in when given no storage
     (``<stem>.journal``), so that an interrupted search resumes where it stopped."""
-    return sidecar_paths(out)["trials"][: -len(".trials.csv")] + ".journal"
+    return _plan_stem(os.fspath(out)) + ".journal"
 
 
 def budget_plan_path(out, budget: float) -> str:
@@ -65,9 +70,7 @@ def check_writable(path, what: str, is_dir: bool, error: type[KVPlanError] = KVP
     parent = path if is_dir and os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise error(f"{what} {path}: cannot write into {parent}")
-    try:
+    try:  # the probe answers for permissions, a file in the way and folders that take no files alike
         fd, probe = tempfile.mkstemp(prefix=".kvplan-probe.", dir=parent)
         os.close(fd)
         os.unlink(probe)

@@ -886,8 +886,9 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
 def _open_study(st, study_name: str, label, *, multi: bool, finalize: bool, seed: int, worker: int | None,
                 n_startup: int, shared: bool = True) -> tuple[optuna.Study, int]:
     """``(study, sampler seed)``: the study ``study_name`` in storage ``st`` (``None``: in memory), created
-    or joined, or loaded as it is to ``finalize`` it, with its TPE sampler. Workers of a shared study each
-    seed their sampler differently (``worker``'s index, else the process and the trials already there)."""
+    or joined, or loaded as it is to ``finalize`` it, with its TPE sampler. Workers of a ``shared`` study each
+    seed their sampler differently (``worker``'s index, else the process and the trials already there); a
+    study one process keeps (in memory, or in its own journal) is seeded by ``seed`` and its trials only."""
     if finalize and st is None:
         raise KVPlanError("finalize: needs the --storage and --study-name of an existing study")
     if finalize:
