@@ -979,7 +979,6 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
     def setup() -> None:
         """Once per study: the key-correction bases, the error-feedback metrics and the sensitivity
         profile, shared by all workers."""
-        nonlocal n_profile_evals
         attrs = study.user_attrs
         basis = metric = None
         if config.key_correction_rank and attrs.get("kvplan.key_basis") is not None:
@@ -1003,6 +1002,13 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
         study.set_user_attr("kvplan.feedback_metric", encode_array(np.asarray(metric, dtype=np.float16))
                            if metric is not None else None)
         space = config.space(basis, metric)
+        score_profile_plan = getattr(scorer, "score_profile_plan", scorer)
+
+        def score_and_count(plan: Plan) -> Mapping:  # n_profile_evals: the real evaluations this run made
+            nonlocal n_profile_evals
+            n_profile_evals += 1
+            return score_profile_plan(plan)
+
         prof = attrs.get("kvplan.profile")
         # measurements an interrupted setup saved are kept (the profile is saved whole at the end)
         saved = attrs.get("kvplan.profile_partial") or {}
@@ -1026,25 +1032,22 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
 
             try:
                 # a harness scorer skips the full-precision layers in front of each profile unit
-                prof = run_profile(getattr(scorer, "score_profile_plan", scorer), space, reference, progress=tick,
+                prof = run_profile(score_and_count, space, reference, progress=tick,
                                    n_head_units=profile_head_units, done=saved, save=save_partial)
             finally:
                 if bar is not None:
                     bar.close()
-            n_profile_evals = len(prof) - len(saved.keys() & prof.keys())
             study.set_user_attr("kvplan.profile_by", owner)
         streamed = []
         if config.stream_window and prof is not None:
             if not any(".stream.h" in k for k in prof):
                 say("streaming profile: each full-attention KV head streamed alone")
-                stream = run_streaming_profile(getattr(scorer, "score_profile_plan", scorer), space, reference,
-                                               config.stream_window, done=saved, save=save_partial)
-                n_profile_evals += len(stream) - len(saved.keys() & stream.keys())
+                stream = run_streaming_profile(score_and_count, space, reference, config.stream_window,
+                                               done=saved, save=save_partial)
                 prof = {**prof, **stream}
             if not any(k in prof for k in (STREAM_SCALE_KEY, *STREAM_PARTS_KEYS)):
-                calibration = calibrate_streaming(getattr(scorer, "score_profile_plan", scorer), space, reference,
-                                                  prof, config.stream_window, min(budgets))
-                n_profile_evals += sum(k in calibration for k in STREAM_PARTS_KEYS)
+                calibration = calibrate_streaming(score_and_count, space, reference, prof, config.stream_window,
+                                                  min(budgets), done=saved, save=save_partial)
                 prof = {**prof, **calibration}
                 if STREAM_SCALE_KEY in calibration:
                     say(f"streaming damage scale {calibration[STREAM_SCALE_KEY]:.3g} (the damage model's optimum, "

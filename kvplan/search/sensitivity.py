@@ -121,12 +121,14 @@ PROFILE_SAVE_EVERY = 16  # new measurements between two calls of a profile's ``s
 class ResumableMeasurements:
     """The KL of named plans, measured one by one into ``out``: a name an interrupted run saved
     (``done``) is taken as measured (scores are deterministic); ``save`` gets the measurements so far
-    every :data:`PROFILE_SAVE_EVERY` new ones and at :meth:`finish`; ``progress(done, total)``."""
+    every ``save_every`` new ones (default :data:`PROFILE_SAVE_EVERY`) and at :meth:`finish`;
+    ``progress(done, total)``."""
 
     def __init__(self, score: Callable[[Plan], Mapping], total: int, done: Mapping[str, float] | None = None,
                  save: Callable[[dict[str, float]], None] | None = None,
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None, save_every: int = PROFILE_SAVE_EVERY):
         self.score, self.total, self.done, self.save, self.progress = score, total, done or {}, save, progress
+        self.save_every = save_every
         self.out: dict[str, float] = {}
         self.fresh = 0  # measured by this run
 
@@ -137,13 +139,13 @@ class ResumableMeasurements:
             else:
                 self.out[name] = float(self.score(plan)["kl"])
                 self.fresh += 1
-                if self.save is not None and self.fresh % PROFILE_SAVE_EVERY == 0:
+                if self.save is not None and self.fresh % self.save_every == 0:
                     self.save(dict(self.out))
             if self.progress:
                 self.progress(len(self.out), self.total)
 
     def finish(self) -> dict[str, float]:
-        if self.save is not None and self.fresh % PROFILE_SAVE_EVERY:
+        if self.save is not None and self.fresh % self.save_every:
             self.save(dict(self.out))
         return self.out
 

@@ -186,7 +186,9 @@ def choose_streamed(space: SearchSpace, reference: Reference, profile: Mapping[s
 
 
 def calibrate_streaming(score: Callable[[Plan], Mapping], space: SearchSpace, reference: Reference,
-                        profile: Mapping[str, float], stream_window: int, budget: float) -> dict[str, float]:
+                        profile: Mapping[str, float], stream_window: int, budget: float,
+                        done: Mapping[str, float] | None = None,
+                        save: Callable[[dict[str, float]], None] | None = None) -> dict[str, float]:
     """Put the streaming damages on the scale of the quantized slots' damage, by two real evaluations.
 
     The two come from different extrapolations: a streamed head's damage is measured as it is used
@@ -196,14 +198,19 @@ def calibrate_streaming(score: Callable[[Plan], Mapping], space: SearchSpace, re
     (``bench/damage_additivity.py``), so the uncalibrated model streams too many heads. Both parts of the
     damage model's optimum (:func:`streaming_parts`) are scored; the scale is ``(measured / predicted streamed) / (measured / predicted quantized)``, clipped to
     ``[1/16, 16]``. Returns the profile entries (``STREAM_SCALE_KEY``, ``STREAM_PARTS_KEYS``); ``{}``
-    when the optimum streams no head or every head (nothing to compare)."""
+    when the optimum streams no head or every head (nothing to compare). ``done`` / ``save``: what an
+    interrupted run measured, and where each new evaluation is saved (:class:`ResumableMeasurements`)."""
     opt = streaming_optimum(space, reference, profile, stream_window, budget)
     if opt is None or not opt.heads or opt.quantized_damage <= 0 or opt.streamed_damage <= 0:
         return {}
     q = replace(opt.quantizer, stream_window=stream_window)
     prov = Provenance(produced_by="kvplan search profile")
-    out = {name: float(score(space.plan_of_table(table, q, reference, provenance=prov))["kl"])
-           for name, table in zip(STREAM_PARTS_KEYS, streaming_parts(opt.table))}
+    run = ResumableMeasurements(score, len(STREAM_PARTS_KEYS), done={k: v for k, v in (done or {}).items()
+                                                                     if k in STREAM_PARTS_KEYS},
+                                save=save, save_every=1)  # each evaluation is a whole plan's: save each
+    run.measure({name: space.plan_of_table(table, q, reference, provenance=prov)
+                 for name, table in zip(STREAM_PARTS_KEYS, streaming_parts(opt.table))})
+    out = run.finish()
     quantized, streamed_kl = (max(out[k], 0.0) for k in STREAM_PARTS_KEYS)
     if quantized <= 0:
         return out

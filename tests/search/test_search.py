@@ -290,6 +290,21 @@ def test_an_interrupted_profile_keeps_what_it_measured_and_the_rerun_measures_on
     assert resumed.profile == fresh.profile and resumed.plan.to_dict()["bits"] == fresh.plan.to_dict()["bits"]
 
 
+def test_an_interrupted_streaming_calibration_keeps_its_first_evaluation(tmp_path):
+    """The streaming calibration's two whole-plan evaluations were saved only with the finished profile: an
+    interruption between them measured both again."""
+    from kvplan.search.streaming import STREAM_PARTS_KEYS
+
+    kw = dict(budget=2.4, n_trials=4, keep_trials=True, worker=0, **FAST)  # a budget that streams some heads
+    fresh = search(scorer=SyntheticScorer(), out=tmp_path / "a" / "plan.yaml", **kw)
+    assert all(k in fresh.profile for k in STREAM_PARTS_KEYS)
+    with pytest.raises(KeyboardInterrupt):  # at the calibration's second evaluation, the profile's last
+        search(scorer=InterruptingProfile(after=fresh.n_profile_evals - 1), out=tmp_path / "b" / "plan.yaml", **kw)
+    resumed = search(scorer=SyntheticScorer(), out=tmp_path / "b" / "plan.yaml", **kw)
+    assert resumed.n_profile_evals == 1
+    assert resumed.profile == fresh.profile and resumed.plan.to_dict()["bits"] == fresh.plan.to_dict()["bits"]
+
+
 def test_resumable_measurements_take_what_was_saved_and_save_every_few_and_at_the_end():
     from kvplan.search.sensitivity import PROFILE_SAVE_EVERY, ResumableMeasurements
 
