@@ -197,11 +197,12 @@ def _generate(self, *args, **kwargs):
     given = kwargs.get(cache_keyword)
     # transformers names generate's first parameter `inputs`; `input_ids=` is the usual keyword
     input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-    _check_generate_options(self, kwargs, given, cache_keyword)
+    uses_cache = _uses_cache(self, kwargs)
+    _check_generate_options(self, kwargs, given, cache_keyword, uses_cache)
     mask = kwargs.get("attention_mask")
     if mask is None and input_ids is not None:  # generate infers one from pad_token_id: align to the same
         mask = _inferred_attention_mask(self, kwargs, input_ids)
-    if given is None and _uses_cache(self, kwargs):
+    if given is None and uses_cache:
         _require_ids(self.kvplan_plan, input_ids, None)
         kwargs["cache"] = make_cache(self, self.kvplan_plan, input_ids, mask)
     elif isinstance(given, KVPlanCache):  # the caller's cache: fresh, reset, or a conversation's so far
@@ -229,7 +230,7 @@ def _uses_cache(model, kwargs) -> bool:
     return value is None or bool(value)
 
 
-def _check_generate_options(model, kwargs, given, cache_keyword: str) -> None:
+def _check_generate_options(model, kwargs, given, cache_keyword: str, uses_cache: bool) -> None:
     """Refuse a ``generate`` call that would not run on the plan's cache: a cache of another kind passed
     in, a ``cache_implementation`` (transformers would build its own cache, or switch to continuous
     batching and drop ours), or ``output_attentions`` while kvplan's attention function (which returns
@@ -239,7 +240,7 @@ def _check_generate_options(model, kwargs, given, cache_keyword: str) -> None:
                          "plan's quantized cache is the cache: pass none, or a KVPlanCache from "
                          "kvplan.make_cache(model, plan, input_ids) (kvplan.unload(model) to generate on another)")
     implementation, where = _generation_option(model, kwargs, "cache_implementation")
-    if implementation not in (None, "hybrid") and _uses_cache(model, kwargs):  # transformers drops "hybrid" itself
+    if implementation not in (None, "hybrid") and uses_cache:  # transformers drops "hybrid" itself
         raise CacheError(f"generate's cache_implementation={implementation!r} (from {where}) asks transformers "
                          "for its own cache, which would not follow the plan: under kvplan.load the plan's "
                          "quantized cache is the cache (leave cache_implementation unset, or kvplan.unload(model))")
