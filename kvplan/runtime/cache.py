@@ -187,6 +187,7 @@ class KVPlanLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t_new = key_states.shape[-2]
+        self.owner.check_attention()
         if self.heavy is not None:
             self.heavy.resolve()  # tokens committed since the last scoring attention call: unscored
         # NaN / Inf check: one reduction of both kinds (any NaN/Inf makes the sum non-finite; only
@@ -343,17 +344,21 @@ class KVPlanLayer(CacheLayerMixin):
         self._nonfinite = None
         self.is_initialized = False
 
+    def check_crop(self, n: int) -> None:
+        """Refuse to remove ``n`` newest tokens when some of them are no longer in the residual."""
+        if n and self.is_initialized and n > self.residual["k"].length:
+            raise CacheError(
+                f"layer {self.layer_idx}: cannot remove {n} tokens; only the {self.residual['k'].length} newest "
+                "(the residual) can be removed, older ones are already quantized"
+            )
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
         n = -tokens_to_remove
         if n == 0 or not self.is_initialized:
             return
-        if n > self.residual["k"].length:
-            raise CacheError(
-                f"layer {self.layer_idx}: cannot remove {n} tokens; only the {self.residual['k'].length} newest "
-                "(the residual) can be removed, older ones are already quantized"
-            )
+        self.check_crop(n)
         for kind in KINDS:
             self.residual[kind].drop_newest(n)
         del self.residual_labels[-n:]
@@ -687,6 +692,11 @@ class KVPlanCache(Cache):
         self.geometry = geometry
         # set when the model runs kvplan's fused attention (see runtime/fused.py)
         self.attention_kernel = attention_kernel
+        # the text config whose attention must stay kvplan's while this cache is read (None: no model given,
+        # or a cache the model's own attention reads): checked at each update, see _check_attention
+        needs_kvplan_attention = attention_kernel is not None or bool(plan.streamed_heads())
+        self._attention_config = (text_config(model_or_geometry.config)
+                                  if needs_kvplan_attention and hasattr(model_or_geometry, "config") else None)
         self.commits_paused = False
         # each row's left padding, set by align_to_padding (None: unpadded): by it a row's pre-RoPE key
         # frame trails the cache index, and grid_origin and sink_length follow from it
@@ -695,6 +705,34 @@ class KVPlanCache(Cache):
         # format codes [L, H_kv, 2, M] (bits, + CORRECTED if corrected), resolved from the rules once
         self.code_table = plan.code_table()
         super().__init__(layers=[KVPlanLayer(self, i) for i in range(geometry.num_layers)])
+
+    def check_attention(self) -> None:
+        """Refuse to be read by another attention than the one this cache was made for: made under
+        kvplan's attention function (a fused kernel, or a plan that streams KV heads), it hands that
+        function packed or masked states, which the model's own attention would read as the whole history
+        (after ``kvplan.unload``, or ``kvplan.load`` on the dequantize route)."""
+        config = self._attention_config
+        if config is None:
+            return
+        from .fused import ATTENTION_NAME
+
+        if config._attn_implementation != ATTENTION_NAME:
+            route = getattr(self.attention_kernel, "__name__", None) or "kvplan's attention function"
+            raise CacheError(f"this cache was made to be read by kvplan's attention ({route}), but the model now "
+                             f"attends with {config._attn_implementation!r} (kvplan.unload, or kvplan.load with "
+                             "another attention, since it was made): continue under the load it was made "
+                             "under, or start on a new cache")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the ``-tokens_to_remove`` newest tokens (transformers' ``Cache.crop``), which must still
+        be in every layer's residual; their modality labels go with them, so the next prompt's tokens
+        at those positions are labelled anew. Nothing is removed when a layer cannot remove them."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        for layer in self.layers:
+            layer.check_crop(-tokens_to_remove)
+        super().crop(tokens_to_remove)
+        del self._labels[self.get_seq_length():]
 
     @property
     def grid_origin(self) -> int:

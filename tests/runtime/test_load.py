@@ -241,3 +241,29 @@ def test_output_attentions_is_refused_where_kvplans_attention_runs_and_kept_on_t
     kvplan.load(model, "int4", attention="dequantize")
     out = model.generate(**kw)
     assert out.attentions[0][0].shape == (1, 4, 40, 40) and isinstance(out.cache, kvplan.KVPlanCache)
+
+
+@pytest.mark.parametrize("then", ["unload", "dequantize"])
+def test_a_conversations_cache_refuses_to_be_read_by_another_attention_than_it_was_made_for(then):
+    """A cache made under kvplan's fused kernel hands its attention only the dense tail: continued after
+    kvplan.unload (or a load on the dequantize route), the model's own attention silently skipped the
+    quantized history (0.74 max logit difference), or failed deep inside transformers on a new turn."""
+    model = tiny_llama()
+    ids = _ids(100)
+    plan = kvplan.uniform_plan(kvplan.Geometry.of(model), 8, residual_length=0)
+    kvplan.load(model, plan)
+    out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    if then == "unload":
+        kvplan.unload(model)
+    else:
+        kvplan.load(model, plan, attention="dequantize")
+    n = out.cache.get_seq_length()
+    for extra in ([], [5, 6, 7]):  # the reply continued, and a new turn
+        seq = torch.cat([out.sequences, torch.tensor([extra], dtype=torch.long)], 1) if extra else out.sequences
+        with pytest.raises(KVPlanError, match="made to be read by kvplan's attention .*now attends with 'sdpa'"):
+            model.generate(input_ids=seq, past_key_values=out.cache, max_new_tokens=2, do_sample=False)
+        assert out.cache.get_seq_length() == n  # refused before anything was written
+    kvplan.load(model, plan)  # under the load it was made under, the conversation goes on
+    more = model.generate(input_ids=out.sequences, past_key_values=out.cache, max_new_tokens=2, do_sample=False)
+    assert more.shape[1] == out.sequences.shape[1] + 2
+    kvplan.unload(model)

@@ -12,9 +12,9 @@ TEXT_BITS = {"k": 8, "v": 4}
 VISUAL_BITS = {"k": 3, "v": 2}
 
 
-def _modality_plan(model):
+def _modality_plan(model, residual_length=0):
     g = kvplan.Geometry.of(model)
-    plan = kvplan.uniform_plan(g, 16, modalities=("text", "visual"), residual_length=0)
+    plan = kvplan.uniform_plan(g, 16, modalities=("text", "visual"), residual_length=residual_length)
     table = plan.table()
     for k, kind in enumerate("kv"):
         table[:, :, k, 0] = TEXT_BITS[kind]
@@ -117,6 +117,32 @@ def test_a_conversations_next_turn_labels_its_new_image():
     labels = labels_from_input_ids(out2.sequences[:, :n], model.config)[0]
     assert labels.count("visual") == 2 * labels_from_input_ids(first["input_ids"], model.config)[0].count("visual")
     assert cache.labels_for(0, n) == labels
+    assert cache.bpv() == plan.bpv(cache.geometry, n, labels, full_precision_bits=32).total
+
+
+def test_a_conversation_rewound_by_crop_labels_the_new_image_at_the_cropped_positions():
+    """``cache.crop`` kept the removed positions' labels: a new turn written over them took those labels
+    (a new image stored at the text bits), and the cache's bpv was not the plan's."""
+    model = tiny_llava_onevision()
+    plan = _modality_plan(model, residual_length=64)
+    kvplan.load(model, plan)
+    first = llava_onevision_inputs(model, skimage_data.astronaut(), text_before=(3, 4, 5),
+                                   text_after=tuple(range(10, 50)))
+    out = model.generate(**first, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+    keep = 3 + labels_from_input_ids(first["input_ids"], model.config)[0].count("visual")  # text + image 1
+    out.cache.crop(-(out.cache.get_seq_length() - keep))  # question 1 and the reply, still in the residual
+    second = llava_onevision_inputs(model, skimage_data.coffee(), text_before=(), text_after=tuple(range(60, 160)))
+    ids = torch.cat([first["input_ids"][:, :keep], second["input_ids"]], 1)
+    out2 = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=second["pixel_values"],
+                          image_sizes=second["image_sizes"], past_key_values=out.cache, max_new_tokens=1,
+                          do_sample=False, return_dict_in_generate=True)
+    cache = out2.cache
+    n = cache.get_seq_length()
+    labels = labels_from_input_ids(ids, model.config)[0][:n]
+    assert cache.labels_for(0, n) == labels and labels[keep:].count("visual") > 0
+    committed = cache.layers[0].committed
+    assert committed > keep and cache.token_bits(0, "k")[0] == [
+        VISUAL_BITS["k"] if lab == "visual" else TEXT_BITS["k"] for lab in labels[:committed]]
     assert cache.bpv() == plan.bpv(cache.geometry, n, labels, full_precision_bits=32).total
 
 
