@@ -48,7 +48,8 @@ class Labelling:
     prompt), ``config`` the model's config; returns one list of ``T`` labels per row.
     ``modalities``: every label it can give; must include ``"text"`` (generated tokens are
     text). ``name``: what plans searched with it record (default ``module.qualname`` of
-    ``fn``); :func:`kvplan.load` compares it with the plan's ``labelling``.
+    ``fn``; required for a lambda or a nested function, whose qualname does not tell it from others);
+    :func:`kvplan.load` compares it with the plan's ``labelling``.
     """
 
     def __init__(self, fn: Callable, modalities: Sequence[str], name: str | None = None):
@@ -58,9 +59,14 @@ class Labelling:
         if TEXT not in mods or len(set(mods)) != len(mods) or not all(isinstance(m, str) and m for m in mods):
             raise LabellingError(f"labelling modalities {list(mods)}: must be distinct non-empty names including "
                                  f"{TEXT!r} (generated tokens are text)")
+        qualname = getattr(fn, "__qualname__", type(fn).__name__)
+        if name is None and ("<lambda>" in qualname or "<locals>" in qualname):
+            raise LabellingError(f"labelling {qualname!r}: a lambda or a function defined inside another gets no "
+                                 "name that tells it from others like it (the name is all a plan records and "
+                                 "kvplan.load compares): pass name=")
         self.fn = fn
         self._modalities = mods
-        self.name = name or f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+        self.name = name or f"{getattr(fn, '__module__', '?')}.{qualname}"
         if self.name == TOKEN_IDS_NAME and type(self) is Labelling:
             raise LabellingError(f"labelling name {TOKEN_IDS_NAME!r} is the default labelling's; choose another")
 

@@ -39,6 +39,21 @@ def test_labelling_checks_what_the_function_returns():
         Labelling(lambda ids, cfg: [], ("text",), name="token-ids")
 
 
+def test_a_lambda_or_nested_labelling_needs_a_name():
+    """Every lambda was named ``module.<lambda>``: kvplan.load took a plan searched with one lambda under
+    any other, and stored the prompt by another labelling than the search's, silently."""
+    with pytest.raises(LabellingError, match="a lambda or a function defined inside another .*pass name="):
+        Labelling(lambda ids, cfg: [], ("text",))
+
+    def nested(ids, cfg):
+        return []
+
+    with pytest.raises(LabellingError, match="'test_a_lambda_or_nested_labelling_needs_a_name.<locals>.nested'"):
+        Labelling(nested, ("text",))
+    assert Labelling(nested, ("text",), name="mine").name == "mine"
+    assert Labelling(_digits_of, ("text",)).name == "tests.search.test_labelling._digits_of"
+
+
 @pytest.mark.slow
 def test_search_and_load_with_the_users_labelling(tmp_path):
     from kvplan.evaluation import get_model
