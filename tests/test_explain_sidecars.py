@@ -126,6 +126,9 @@ NO_SIGNAL = {  # id -> (rows change, text of the missing line)
     "nothing-varies": (lambda rows: [{**rows[5], "number": str(i), "kl": str(0.08 + 0.001 * i)} for i in range(8)],
                        "no slot's bits and none of group_size, residual_length, key_axis, sink_length, recent_length "
                        "vary across the 8 trials"),
+    # distinct KLs, all under the surrogate's log floor: it was told that no slot's bits varied
+    "kl-under-the-floor": (lambda rows: [{**r, "kl": repr(1e-12 * (i + 1))} for i, r in enumerate(rows)],
+                           "the calibration KL is at most the surrogate's floor 1e-09 in all 20 trials"),
 }
 
 
@@ -136,7 +139,7 @@ def test_history_without_signal_ranks_nothing(searched, tmp_path, case):
     paths = copy_plan(searched, tmp_path)
     _edit_rows(paths["trials"], change)
     rep = json.loads(explain(paths["plan"], format="json"))
-    assert rep["history"]["n_trials"] == (20 if case == "constant-kl" else 8)
+    assert rep["history"]["n_trials"] == (8 if case == "nothing-varies" else 20)
     assert "importance" not in rep and rep["warnings"] == []
     assert rep["missing"] == [f"consensus importance ({needle}: nothing to rank)"]
     txt = render_text(rep)

@@ -255,6 +255,7 @@ def history_section(hist: TrialHistory, search: dict | None) -> dict[str, Any]:
 def _importance(hist: TrialHistory, mods, shape, seed: int) -> dict[str, Any] | str:
     """The consensus importance section, or why the history cannot rank anything (a ``missing:`` line)."""
     from ..surrogates import component_importance, importance_from_history
+    from ..surrogates.forest import KL_FLOOR, log_kl
     from ._direction import slot_direction
 
     q_fields = {k: hist.quantizer[k] for k in ("group_size", "residual_length", "key_axis", "sink_length",
@@ -263,6 +264,8 @@ def _importance(hist: TrialHistory, mods, shape, seed: int) -> dict[str, Any] | 
     if not imp.consensus.any():  # a constant KL or no varied column: nothing to attribute
         if np.ptp(np.asarray(hist.kl, dtype=np.float64)) == 0:
             why = f"the calibration KL is {hist.kl[0]:.4g} in all {len(hist)} trials"
+        elif np.ptp(log_kl(hist.kl)) == 0:  # what the forest predicts: log KL, floored
+            why = f"the calibration KL is at most the surrogate's floor {KL_FLOOR:g} in all {len(hist)} trials"
         else:
             why = f"no slot's bits and none of {', '.join(q_fields)} vary across the {len(hist)} trials"
         return f"consensus importance ({why}: nothing to rank)"
