@@ -135,10 +135,8 @@ def _cmd_explain(args) -> int:
 def _cmd_eval(args) -> int:
     from .evaluation import run_eval
     from .evaluation.runs import resolve_sample_count
-    from .evaluation.tasks import check_task
 
-    samples = resolve_sample_count(args.task, args.samples)
-    check_task(args.task, {args.split: samples}, args.seed)
+    samples = resolve_sample_count(args.task, args.samples)  # the split is checked once the seed is known
     run_eval(args.plan, model=args.model, task=args.task, split=args.split, samples=samples, out=args.out,
              seed=args.seed, history_tokens=args.history_tokens, eval_tokens=args.eval_tokens, progress=not args.quiet)
     return 0
@@ -150,10 +148,11 @@ def _cmd_sweep(args) -> int:
     from .evaluation.tasks import check_task
 
     samples = resolve_sample_count(args.task, args.samples)
-    check_task(args.task, {args.split: samples}, args.seed)
-    run_sweep(model=args.model, samples=samples, out_dir=args.out_dir, task=args.task, split=args.split,
-              seed=args.seed, history_tokens=args.history_tokens, eval_tokens=args.eval_tokens,
-              progress=not args.quiet)
+    seed = 0 if args.seed is None else args.seed
+    check_task(args.task, {args.split: samples}, seed)
+    run_sweep(model=args.model, samples=samples, out_dir=args.out_dir, task=args.task, split=args.split, seed=seed,
+              **{k: v for k, v in (("history_tokens", args.history_tokens), ("eval_tokens", args.eval_tokens))
+                 if v is not None}, progress=not args.quiet)
     return 0
 
 
@@ -193,10 +192,13 @@ def _add_task_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=_positive, default=None,
                    help="samples of the split (default: 16 of the built-in task, every record of a JSONL task's "
                         "split, as kvplan search measures them)")
-    p.add_argument("--history-tokens", type=_positive, default=512, help="the built-in task's history length")
-    p.add_argument("--eval-tokens", type=_positive, default=32,
-                   help="the built-in task's evaluated tokens per sample (as kvplan search --eval-tokens)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--history-tokens", type=_positive, default=None,
+                   help="the built-in task's history length (default 512; eval: the plan's search's)")
+    p.add_argument("--eval-tokens", type=_positive, default=None,
+                   help="the built-in task's evaluated tokens per sample (as kvplan search --eval-tokens; default 32; "
+                        "eval: the plan's search's)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="how the task is split (default 0; eval: the plan's search's)")
     p.add_argument("--quiet", action="store_true")
 
 

@@ -346,7 +346,8 @@ def build_plan_cache(model, plan: Plan, prepared: PreparedSample) -> KVPlanCache
 
 def full_precision_bytes(cache: KVPlanCache) -> int:
     """Bytes ``cache`` holds in the model dtype: committed 16-bit (unquantized) slots and the residual
-    tokens and recent copies held as written (all of them, unless ``quantizer.residual_bits`` codes them)."""
+    tokens, recent copies, streamed heads' window copies and heavy-hitter copies held as written (all of
+    them, unless ``quantizer.residual_bits`` codes them)."""
     n = 0
     for layer in cache.layers:
         for kind in KINDS:
@@ -354,8 +355,9 @@ def full_precision_bytes(cache: KVPlanCache) -> int:
                 for block in seg.blocks:
                     if block.bits == FULL_PRECISION_BITS:
                         n += block.codes.nbytes
-            for held in (getattr(layer, "residual", {}).get(kind), getattr(layer, "recent", {}).get(kind)):
-                if held is not None:  # the residual and the recent copies (quantizer.recent_length)
+            for held in (getattr(layer, "residual", {}).get(kind), getattr(layer, "recent", {}).get(kind),
+                         (getattr(layer, "stream_copies", None) or {}).get(kind)):
+                if held is not None:  # the residual, the recent copies and the streamed heads' window copies
                     n += held.fresh.nbytes
             heavy = getattr(layer, "heavy", None)
             if heavy is not None and torch.is_tensor(heavy.copies[kind]):  # heavy-hitter copies as written
@@ -371,11 +373,13 @@ def cache_stats(cache: KVPlanCache, prepared: PreparedSample, plan: Plan) -> dic
     per = g.num_layers * g.num_kv_heads
     tokens: dict[str, dict[str, dict[str, float]]] = {}
     quantized: dict[str, dict[str, float]] = {}
+    streamed: dict[str, dict[str, float]] = {}
     for (kind, mod, bits), n in sorted(raw.items()):
         tokens.setdefault(kind, {}).setdefault(mod, {})[str(bits)] = n / per
-        if bits < FULL_PRECISION_BITS:
-            quantized.setdefault(kind, {}).setdefault(mod, 0.0)
-            quantized[kind][mod] += n / per
+        if bits < FULL_PRECISION_BITS:  # coded, or (bits 0) a streamed head's, not stored at all
+            into = quantized if bits > 0 else streamed
+            into.setdefault(kind, {}).setdefault(mod, 0.0)
+            into[kind][mod] += n / per
     parts = cache.nbytes_breakdown()
     nvals = cache.num_values()
     elem = prepared.kv[0][0].element_size()
@@ -386,7 +390,8 @@ def cache_stats(cache: KVPlanCache, prepared: PreparedSample, plan: Plan) -> dic
         "history_tokens": prepared.history_len,
         "history_modalities": dict(Counter(prepared.sample.history_labels)),
         "token_bits": tokens,  # kind -> modality -> bits -> tokens (per layer and head)
-        "quantized_tokens": quantized,  # kind -> modality -> tokens stored below 16 bits
+        "quantized_tokens": quantized,  # kind -> modality -> tokens stored as codes (1-15 bits)
+        "streamed_tokens": streamed,  # kind -> modality -> tokens a streamed head does not store (bits 0)
         "raw_token_bits": {f"{k}/{m}/{b}": int(n) for (k, m, b), n in sorted(raw.items())},
         "nbytes": parts,
         "num_values": nvals,
@@ -413,12 +418,14 @@ def check_quantized(stats: dict, expect: Iterable[tuple[str, str]] | None, where
 
 
 def intended_quantized(plan: Plan) -> list[tuple[str, str]]:
-    """``(kind, modality)`` pairs the plan stores below 16 bits somewhere."""
+    """``(kind, modality)`` pairs the plan stores as codes (1-15 bits) somewhere; streamed heads (bits 0)
+    store nothing to quantize."""
     t = plan.table()
     out = []
     for k, kind in enumerate(KINDS):
         for m, mod in enumerate(plan.modalities):
-            if (t[:, :, k, m] < FULL_PRECISION_BITS).any():
+            slots = t[:, :, k, m]
+            if ((slots > 0) & (slots < FULL_PRECISION_BITS)).any():
                 out.append((kind, mod))
     return out
 
@@ -526,14 +533,16 @@ def aggregate(per_sample: Sequence[dict[str, Any]], seed: int = 0, n_boot: int =
             out[k] = {"mean": m, "ci95": [lo, hi]}
     # quantized history tokens: summed over samples (tokens), per kind and modality
     q: dict[str, dict[str, float]] = {}
+    streamed: dict[str, dict[str, float]] = {}
     tb: dict[str, dict[str, dict[str, float]]] = {}
     raw: Counter = Counter()
     for r in per_sample:
         c = r["cache"]
-        for kind, mods in c["quantized_tokens"].items():
-            for mod, n in mods.items():
-                q.setdefault(kind, {}).setdefault(mod, 0.0)
-                q[kind][mod] += n
+        for key, into in (("quantized_tokens", q), ("streamed_tokens", streamed)):
+            for kind, mods in c.get(key, {}).items():
+                for mod, n in mods.items():
+                    into.setdefault(kind, {}).setdefault(mod, 0.0)
+                    into[kind][mod] += n
         for kind, mods in c["token_bits"].items():
             for mod, bits in mods.items():
                 for b, n in bits.items():
@@ -541,6 +550,7 @@ def aggregate(per_sample: Sequence[dict[str, Any]], seed: int = 0, n_boot: int =
                     tb[kind][mod][b] += n
         raw.update(c["raw_token_bits"])
     out["quantized_tokens"] = q
+    out["streamed_tokens"] = streamed
     out["token_bits"] = tb
     out["raw_token_bits"] = dict(sorted(raw.items()))
     out["history_tokens"] = int(sum(r["cache"]["history_tokens"] for r in per_sample))

@@ -15,7 +15,7 @@ from ..plans._files import check_not_inputs, check_writable, existing_path
 from .baselines import evaluate_peer, head_sensitivity, headguard_from_sensitivity, named_plan, parse_peer
 from .harness import evaluate, prepare_samples
 from .sweep import SWEEP_BITS, format_layers, format_ratios, format_table, sweep_prepared, write_sweep
-from .tasks import pad_token_id, task_samples
+from .tasks import DEFAULT_EVAL_TOKENS, DEFAULT_HISTORY_TOKENS, check_task, pad_token_id, task_samples
 
 _MODELS: dict[tuple, Any] = {}
 
@@ -82,12 +82,15 @@ def _print_eval(r: dict[str, Any]) -> None:
     for kind, mods in r["quantized_tokens"].items():
         for mod, n in mods.items():
             print(f"quantized {kind.upper()} {mod}: {n:.0f} tokens ({n / max(1, r['n']):.1f}/sample)")
+    for kind, mods in r.get("streamed_tokens", {}).items():
+        for mod, n in mods.items():
+            print(f"streamed, not stored {kind.upper()} {mod}: {n:.0f} tokens ({n / max(1, r['n']):.1f}/sample)")
 
 
 def run_eval(plan_or_baseline, model="smollm2-135m", task: str = "default", split: str = "test",
-             samples: int | None = None, out: str | os.PathLike | None = None, *, seed: int = 0,
-             history_tokens: int = 512, eval_tokens: int = 32, dtype: str = "float32", num_threads: int | None = None,
-             progress: bool = True, verbose: bool = True) -> dict:
+             samples: int | None = None, out: str | os.PathLike | None = None, *, seed: int | None = None,
+             history_tokens: int | None = None, eval_tokens: int | None = None, dtype: str = "float32",
+             num_threads: int | None = None, progress: bool = True, verbose: bool = True) -> dict:
     """Evaluate a plan under the historical-cache protocol and return (and optionally write) the results.
 
     ``plan_or_baseline``: a :class:`~kvplan.Plan`, a plan YAML path, a baseline name
@@ -95,7 +98,10 @@ def run_eval(plan_or_baseline, model="smollm2-135m", task: str = "default", spli
     ``"headguard"`` (sensitivity on the calibration split, top 1/8 heads protected, rest
     INT2), or a transformers QuantizedCache peer ``quanto-int2`` / ``hqq-int4``... ``samples``:
     default 16 of the built-in task, every record of a JSONL task's split (as the search measures it).
-    ``history_tokens`` / ``eval_tokens``: the built-in task's (a JSONL record sets its own).
+    ``history_tokens`` / ``eval_tokens``: the built-in task's (a JSONL record sets its own). ``seed``
+    (how a JSONL task's records and the built-in task's topics are split) and the two lengths default
+    to the plan's search's (``metrics.search``) when the plan was searched on this task, so a plan is
+    measured on its own test split, else to 0, 512 and 32.
     """
     with _threads(num_threads):
         return _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_tokens, eval_tokens,
@@ -111,17 +117,45 @@ def _prepared_task(model, dtype, task, split, samples, history_tokens, eval_toke
     return m, proc, ss, prepared, _modalities(ss), kw
 
 
-def _check_eval_arguments(plan_or_baseline, model, task, out) -> None:
+def _check_eval_arguments(plan_or_baseline, model, task, out) -> Plan | None:
     """Fail before the model loads: a plan file that does not parse, a peer's bit width its backend
-    lacks, or an ``out`` that is one of the inputs or cannot be written."""
+    lacks, or an ``out`` that is one of the inputs or cannot be written. Returns the plan to evaluate
+    (parsed from its file), or None for a baseline or peer."""
+    plan = plan_or_baseline if isinstance(plan_or_baseline, Plan) else None
     if isinstance(plan_or_baseline, (str, os.PathLike)):
         name = os.fspath(plan_or_baseline)
         if parse_peer(name) is None and name != "headguard" and not is_baseline_name(name):
-            Plan.from_yaml(name)  # PlanError naming the file and key
+            plan = Plan.from_yaml(name)  # PlanError naming the file and key
     if out is not None:
         check_writable(out, "--out", is_dir=False)
         check_not_inputs({"--out": out}, {"plan": existing_path(plan_or_baseline), "task file": existing_path(task),
                                           "model": existing_path(model)})
+    return plan
+
+
+def eval_settings(plan: Plan | None, task: str, seed: int | None, history_tokens: int | None,
+                  eval_tokens: int | None) -> tuple[dict[str, int], list[str]]:
+    """``({"seed", "history_tokens", "eval_tokens"}, the names taken from the plan)``: each setting
+    given, else the one ``plan``'s search drew its splits with (``metrics.search``: its seed, and the
+    built-in task's lengths) when it searched this ``task``, else 0 / 512 / 32."""
+    search = (plan.metrics.get("search") if plan is not None else None) or {}
+    recorded = search.get("task") if isinstance(search.get("task"), dict) else {}
+    same_task = recorded.get("name") == os.fspath(task)
+    plans = {"seed": search.get("seed") if same_task else None,
+             "history_tokens": recorded.get("history_tokens") if same_task else None,
+             "eval_tokens": recorded.get("eval_tokens") if same_task else None}
+    given = {"seed": seed, "history_tokens": history_tokens, "eval_tokens": eval_tokens}
+    defaults = {"seed": 0, "history_tokens": DEFAULT_HISTORY_TOKENS, "eval_tokens": DEFAULT_EVAL_TOKENS}
+    settings, from_plan = {}, []
+    for name in given:
+        if given[name] is not None:
+            settings[name] = given[name]
+        elif isinstance(plans[name], int) and not isinstance(plans[name], bool):
+            settings[name] = plans[name]
+            from_plan.append(name)
+        else:
+            settings[name] = defaults[name]
+    return settings, from_plan
 
 
 def _token_lengths(samples) -> dict[str, int | dict[str, float]]:
@@ -143,7 +177,13 @@ def _history_title(lengths: dict) -> str:
 def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_tokens, eval_tokens, dtype,
               progress, verbose) -> dict:
     t0 = time.perf_counter()
-    _check_eval_arguments(plan_or_baseline, model, task, out)
+    plan = _check_eval_arguments(plan_or_baseline, model, task, out)
+    settings, from_plan = eval_settings(plan, task, seed, history_tokens, eval_tokens)
+    seed, history_tokens, eval_tokens = settings["seed"], settings["history_tokens"], settings["eval_tokens"]
+    if from_plan and verbose:
+        print(f"kvplan eval: {', '.join(f'{n} {settings[n]}' for n in from_plan)} as the plan's search drew its "
+              "splits (pass them to override)")
+    check_task(task, {split: resolve_sample_count(task, samples)}, seed)
     m, proc, ss, prepared, mods, kw = _prepared_task(model, dtype, task, split, samples, history_tokens,
                                                      eval_tokens, seed, progress)
     peer = parse_peer(plan_or_baseline) if isinstance(plan_or_baseline, str) else None

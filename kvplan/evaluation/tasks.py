@@ -53,6 +53,8 @@ TEXT = "text"
 SPLITS = ("calibration", "validation", "test")
 SPLIT_ALIASES = {"heldout": "test"}  # the test split's name before there was a validation split
 ALL_RECORDS = "all"  # not a split: every record of a JSONL task (kvplan eval on data never searched on)
+DEFAULT_HISTORY_TOKENS = 512  # the built-in task's history length per sample
+DEFAULT_EVAL_TOKENS = 32  # the built-in task's evaluated tokens per sample
 
 
 class TaskError(KVPlanError, ValueError):
@@ -153,8 +155,8 @@ def _check_sample_count(n, where: str, allow_all: bool) -> None:
                         + (" (or None: all)" if allow_all else ""))
 
 
-def default_task_samples(tokenizer, split: str = "test", n: int = 16, history_tokens: int = 512,
-                         eval_tokens: int = 32, cue_tokens: int = 8, option_tokens: int = 6, n_options: int = 4,
+def default_task_samples(tokenizer, split: str = "test", n: int = 16,
+                         history_tokens: int = DEFAULT_HISTORY_TOKENS, eval_tokens: int = DEFAULT_EVAL_TOKENS, cue_tokens: int = 8, option_tokens: int = 6, n_options: int = 4,
                          seed: int = 0) -> list[Sample]:
     """Samples of the built-in documentation task (see module docstring).
 

@@ -1191,6 +1191,8 @@ def _finalize(*, study, space, s, budgets, multi, granularity, seed, study_name,
     base_metrics = {"search": {"granularity": granularity, "n_trials": len(done), "n_profile_evals": n_profile,
                                "seed": seed, "study_name": study_name,
                                "surrogate": s.strategy.enabled, "run_id": run_id}}
+    if getattr(scorer, "task_setup", None) is not None:  # the task its splits were drawn from, at `seed`
+        base_metrics["search"]["task"] = dict(scorer.task_setup)
     for b in sorted(budgets):
         fits = sorted((t for t in done if t.user_attrs["kvplan.bpv"] <= b + EPS), key=lambda t: (t.values[0], t.number))
         if not fits:

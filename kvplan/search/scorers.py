@@ -20,9 +20,11 @@ honest bpv is exactly what the evaluated caches store (``bpv_cache``).
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+from ..evaluation.tasks import DEFAULT_EVAL_TOKENS, DEFAULT_HISTORY_TOKENS
 from ..models.geometry import Geometry, storage_bits
 from ..models.modality import TOKEN_IDS
 from ..plans import Plan, Reference
@@ -87,7 +89,8 @@ class HarnessScorer:
     kernel on CPU, Triton on CUDA), so the KL it measures is the KL users get."""
 
     def __init__(self, model, prepared: Sequence, reference: Reference, modalities: Sequence[str], name: str,
-                 data_hash: str, model_name: str | None = None, attention: str = "auto", processes: int = 1):
+                 data_hash: str, model_name: str | None = None, attention: str = "auto", processes: int = 1,
+                 task_setup: dict | None = None):
         from ..evaluation.parallel import SampleProcesses
 
         self.model = model
@@ -103,6 +106,8 @@ class HarnessScorer:
         self.data_hash = data_hash
         self.model_name = model_name
         self.attention = attention
+        # the task and settings its samples were drawn with (task_scorers); None: samples of the caller's
+        self.task_setup = task_setup
         self.calls = 0
 
     def calibration_sequences(self) -> list[dict[str, Any]]:
@@ -186,8 +191,8 @@ DEFAULT_SAMPLES = {"calibration": 12, "validation": 16, "test": 16}  # of the bu
 
 
 def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, n_calibration: int | None = None,
-                 n_validation: int | None = None, n_test: int | None = None, history_tokens: int = 512,
-                 eval_tokens: int = 32, context_len: int | None = None, attention: str = "auto",
+                 n_validation: int | None = None, n_test: int | None = None,
+                 history_tokens: int = DEFAULT_HISTORY_TOKENS, eval_tokens: int = DEFAULT_EVAL_TOKENS, context_len: int | None = None, attention: str = "auto",
                  progress: bool = True, before_prefill=None, labelling=None, processes: int | None = None
                  ) -> TaskScorers:
     """Scorers on ``task`` (``"default"``: the built-in documentation task; or a JSONL file).
@@ -236,13 +241,18 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
         n = usable_processes(model, len(samples)) if processes is None else processes
         return HarnessScorer(model, prepare_samples(model, samples, pad, progress=progress, attention=attention,
                                                     labelling=labelling, processes=n),
-                             reference, mods, name, "sha256:" + h, model_name, attention, processes=n)
+                             reference, mods, name, "sha256:" + h, model_name, attention, processes=n,
+                             task_setup=task_setup)
+
+    # how every split was drawn, recorded with the plan (metrics.search.task) so that kvplan eval measures a
+    # plan on its own splits by default: the seed splits a task's records, the lengths cut the built-in task's
+    task_setup = {"name": os.fspath(task), **kw}
 
     return TaskScorers(scorer(cal, "calibration"), scorer(val, "validation"), scorer(test, "test"))
 
 
 def harness_scorers(model="smollm2-135m", *, seed: int = 0, n_calibration: int = 12, n_heldout: int = 16,
-                    history_tokens: int = 512, eval_tokens: int = 32, progress: bool = True, before_prefill=None):
+                    history_tokens: int = DEFAULT_HISTORY_TOKENS, eval_tokens: int = DEFAULT_EVAL_TOKENS, progress: bool = True, before_prefill=None):
     """``(calibration_scorer, test_scorer)`` on the built-in task (no validation split), as
     the benchmark scripts use them; see :func:`task_scorers`."""
     s = task_scorers(model, seed=seed, n_calibration=n_calibration, n_validation=0, n_test=n_heldout,

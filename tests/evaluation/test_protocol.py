@@ -140,6 +140,36 @@ def test_cache_stats_count_a_coded_residual_as_coded(smol, prepared):
     assert stats["bpv"] < base.bpv(context_len=T, full_precision_bits=16).total
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("residual_bits", [16, 8])
+def test_cache_stats_of_streamed_heads_equal_the_plans_accounting_and_count_nothing_streamed_as_quantized(
+        smol, prepared, residual_bits):
+    """A streamed head's window copies held at full precision were left out of the bytes re-counted at 16
+    bits (eval's headline bpv read 2.655 for a 2.588 bpv plan), and the tokens a streamed head does not
+    store were counted as quantized."""
+    from kvplan.plans import STREAMED
+    from kvplan.runtime import attention_route
+
+    model = smol[0]
+    base = uniform_plan(Geometry.of(model), 2, modalities=MODS, group_size=32, residual_length=16)
+    base = base.replace(quantizer=replace(base.quantizer, residual_bits=residual_bits, stream_window=12))
+    table = base.code_table().copy()
+    table[3, 1] = table[20, 0] = STREAMED
+    plan = base.with_table(table)
+    p = prepared[0]
+    with attention_route(model, "auto", plan):
+        stats = cache_stats(build_plan_cache(model, plan, p), p, plan)
+    T = p.history_len
+    assert stats["bpv_measured"] == pytest.approx(plan.bpv(context_len=T, full_precision_bits=32).total, rel=1e-12)
+    assert stats["bpv"] == pytest.approx(plan.bpv(context_len=T, full_precision_bits=16).total, rel=1e-12)
+    g = Geometry.of(model)
+    coded = stats["token_bits"]["k"]["text"]["2"] * g.num_layers * g.num_kv_heads
+    assert stats["quantized_tokens"]["k"]["text"] * g.num_layers * g.num_kv_heads == pytest.approx(coded)
+    streamed = stats["token_bits"]["k"]["text"]["0"] * g.num_layers * g.num_kv_heads
+    assert streamed > 0 and stats["streamed_tokens"]["k"]["text"] * g.num_layers * g.num_kv_heads == pytest.approx(
+        streamed)
+
+
 def test_kl_in_row_chunks_equals_the_whole_formula():
     from kvplan.evaluation import harness
 
@@ -201,3 +231,21 @@ def test_same_samples_same_numbers(smol, prepared):
     b = evaluate(smol[0], plan, prepared, progress=False)
     assert a == b
     assert a["quantized_tokens"]["k"]["text"] > 0 and "v" not in a["quantized_tokens"]
+
+
+def test_eval_settings_default_to_the_plans_search_on_the_same_task_only():
+    """kvplan eval measured every plan at seed 0 and 512 + 32 tokens: a plan searched with --seed 3 or
+    --history-tokens 256 read another split, or other lengths, than its own metrics.test."""
+    from kvplan.evaluation.runs import eval_settings
+
+    plan = uniform_plan(Geometry(2, 2, 64, ("full", "full"), "llama"), 4, modalities=MODS)
+    searched = plan.replace(metrics={"search": {"seed": 3, "task": {"name": "default", "history_tokens": 256,
+                                                                    "eval_tokens": 16}}})
+    assert eval_settings(searched, "default", None, None, None) == (
+        {"seed": 3, "history_tokens": 256, "eval_tokens": 16}, ["seed", "history_tokens", "eval_tokens"])
+    assert eval_settings(searched, "default", 1, 128, None) == (
+        {"seed": 1, "history_tokens": 128, "eval_tokens": 16}, ["eval_tokens"])
+    plain = {"seed": 0, "history_tokens": 512, "eval_tokens": 32}
+    assert eval_settings(searched, "mine.jsonl", None, None, None) == (plain, [])  # searched on another task
+    assert eval_settings(plan, "default", None, None, None) == (plain, [])  # no search recorded
+    assert eval_settings(None, "default", None, None, None) == (plain, [])  # a baseline

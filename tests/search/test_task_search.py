@@ -38,15 +38,22 @@ def test_cli_search_on_a_text_jsonl_task_deploys_at_its_bpv(tmp_path):
     # the ~200-token records would make a 3 bpv budget unreachable (their fp32 tail of a partial group);
     # the budget is stated at the deployment context instead
     r = _kvplan("--threads", "1", "search", "--task", str(task), "--budget", "3bpv", "--context", "2048",
-                "--samples", "2", "--trials", "4", "--no-profile", "--quiet", "--out", str(out))
+                "--samples", "2", "--trials", "4", "--no-profile", "--quiet", "--out", str(out), "--seed", "3")
     assert r.returncode == 0, r.stderr[-3000:]
     plan = kvplan.Plan.from_yaml(out)
     assert plan.metrics["search"]["n_profile_evals"] == 0  # --no-profile
     assert plan.modalities == ("text",) and plan.bpv().total <= 3 and plan.reference.context_len == 2048
     assert plan.metrics["test"]["n_samples"] == 2 and plan.metrics["validation"]["n_samples"] == 2
+    assert plan.metrics["search"]["task"] == {"name": str(task)} and plan.metrics["search"]["seed"] == 3
+    # kvplan eval, no --seed: the plan's own test split (seed 0 would split the records another way, and
+    # could measure the plan on records the search calibrated on)
+    from kvplan.evaluation import run_eval
+
+    measured = run_eval(out, task=str(task), progress=False, verbose=False)
+    assert measured["task"]["seed"] == 3 and measured["kl"]["mean"] == plan.metrics["test"]["kl"]
     model, tok = get_model()
     # a test record, as a user would run it: kvplan.load, then generate on its history
-    rec = split_records(read_jsonl(task), "test")[0]
+    rec = split_records(read_jsonl(task), "test", seed=3)[0]
     inputs = tok(rec["history"], return_tensors="pt")
     kvplan.load(model, out)
     try:
