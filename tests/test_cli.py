@@ -69,6 +69,22 @@ def test_plan_for_other_model_rejected_with_field(tmp_path):
     assert "model.model_type: plan was made for 'qwen2' but the model has 'llama'" in r.stderr
 
 
+def test_eval_refuses_a_plan_for_another_model_before_the_prefills(tmp_path, monkeypatch):
+    """The geometry check came only when the first sample was scored, after every full-precision prefill."""
+    from kvplan.errors import PlanError
+    from kvplan.evaluation import runs
+
+    path = tmp_path / "other.yaml"
+    baseline_plan("int4", Geometry(30, 3, 64, ("full",) * 30, "qwen2")).to_yaml(path)
+
+    def no_prefill(*a, **k):
+        raise AssertionError("prefilled before the plan was checked against the model")
+
+    monkeypatch.setattr(runs, "prepare_samples", no_prefill)
+    with pytest.raises(PlanError, match="other.yaml: .*model.model_type: plan was made for 'qwen2'"):
+        runs.run_eval(path, samples=1, progress=False, verbose=False)
+
+
 @pytest.mark.slow
 def test_search_then_explain_then_load(tmp_path, smollm2):
     import json

@@ -108,9 +108,13 @@ def run_eval(plan_or_baseline, model="smollm2-135m", task: str = "default", spli
                          dtype, progress, verbose)
 
 
-def _prepared_task(model, dtype, task, split, samples, history_tokens, eval_tokens, seed, progress):
-    """Model, task samples and their full-precision prefills: ``(m, proc, samples, prepared, modalities, kw)``."""
+def _prepared_task(model, dtype, task, split, samples, history_tokens, eval_tokens, seed, progress,
+                   plan: Plan | None = None, source=None):
+    """Model, task samples and their full-precision prefills: ``(m, proc, samples, prepared, modalities, kw)``.
+    ``plan``: checked against the model's geometry as soon as it loads, before the prefills."""
     m, proc = get_model(model, dtype)
+    if plan is not None:
+        plan.check_geometry(Geometry.of(m), source=source)
     kw = {"history_tokens": history_tokens, "eval_tokens": eval_tokens} if task == "default" else {}
     ss = task_samples(task, m, proc, split=split, n=resolve_sample_count(task, samples), seed=seed, **kw)
     prepared = prepare_samples(m, ss, pad_id=pad_token_id(proc), progress=progress)
@@ -184,8 +188,9 @@ def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_
         print(f"kvplan eval: {', '.join(f'{n} {settings[n]}' for n in from_plan)} as the plan's search drew its "
               "splits (pass them to override)")
     check_task(task, {split: resolve_sample_count(task, samples)}, seed)
+    source = os.fspath(plan_or_baseline) if isinstance(plan_or_baseline, (str, os.PathLike)) else None
     m, proc, ss, prepared, mods, kw = _prepared_task(model, dtype, task, split, samples, history_tokens,
-                                                     eval_tokens, seed, progress)
+                                                     eval_tokens, seed, progress, plan, source)
     peer = parse_peer(plan_or_baseline) if isinstance(plan_or_baseline, str) else None
     if peer is not None:
         r = evaluate_peer(m, peer[0], peer[1], prepared, seed=seed, progress=progress)
