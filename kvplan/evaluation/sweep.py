@@ -90,15 +90,17 @@ def write_sweep(out: dict[str, Any], out_dir: str, meta: dict[str, Any]) -> dict
     w.writeheader()
     for r in out["rows"]:
         w.writerow({k: r.get(k) for k in CSV_FIELDS})
-    # the CSV and the JSON as one set (a kill leaves the old pair or the new pair), then the figure
+    # the figure drawn first, then CSV, JSON and PNG written as one set: a failure leaves the old set whole,
+    # never new data beside an old figure
+    png = sweep_png(out["rows"], title=meta.get("title", "KV sensitivity"))
     write_file_set({paths["csv"]: buf.getvalue(), paths["json"]: json.dumps(
         {"meta": meta, "rows": out["rows"], "ratios": out["ratios"], "results": out["results"]}, indent=1,
-        default=float)})
-    plot_sweep(out["rows"], paths["png"], title=meta.get("title", "KV sensitivity"))
+        default=float), paths["png"]: png})
     return paths
 
 
-def plot_sweep(rows: Sequence[dict], path: str, title: str = "") -> None:
+def sweep_png(rows: Sequence[dict], title: str = "") -> bytes:
+    """The sweep's figure (KL and NLL change per condition) as PNG bytes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,8 +128,10 @@ def plot_sweep(rows: Sequence[dict], path: str, title: str = "") -> None:
     axes[0].set_yscale("log")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    return png.getvalue()
 
 
 def format_layers(geometry: Geometry) -> str:

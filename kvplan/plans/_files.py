@@ -204,7 +204,7 @@ def _fsync_dir(folder: str) -> None:
 
 
 def write_file_set(files: dict) -> None:
-    """Write several text files as one set: every file to a temporary name in its own folder
+    """Write several files (``path -> text``, or bytes) as one set: every file to a temporary name in its own folder
     (leftovers of a killed earlier write removed first) and ``fsync``-ed, and only then each
     renamed into place. A failure before the renames leaves the old set untouched; a kill
     during the renames (microseconds) can mix sets, which is why the search writes one
@@ -219,7 +219,7 @@ def write_file_set(files: dict) -> None:
             clean_stale_temps(path)
             tmp = _tmp_name(path)
             tmps.append((tmp, path))
-            with open(tmp, "w", encoding="utf-8") as f:
+            with (open(tmp, "wb") if isinstance(text, bytes) else open(tmp, "w", encoding="utf-8")) as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())

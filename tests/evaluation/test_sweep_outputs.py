@@ -1,13 +1,16 @@
-"""The sweep's CSV and JSON are written as one set (kvplan.plans._files.write_file_set)."""
+"""The sweep's CSV, JSON and PNG are written as one set (kvplan.plans._files.write_file_set)."""
 
 import json
 import os
 
+import pytest
+
 from kvplan.evaluation import sweep
 
 
-def test_sweep_csv_and_json_written_as_one_set(tmp_path, monkeypatch):
-    monkeypatch.setattr(sweep, "plot_sweep", lambda rows, path, title="": open(path, "wb").close())
+def test_sweep_csv_json_and_png_written_as_one_set(tmp_path, monkeypatch):
+    """The figure was drawn in place after the CSV/JSON pair: a failure left a stale figure beside new data."""
+    monkeypatch.setattr(sweep, "sweep_png", lambda rows, title="": repr(rows).encode())
     row = {k: None for k in sweep.CSV_FIELDS}
     paths = sweep.write_sweep({"rows": [row], "ratios": {}, "results": {}}, str(tmp_path), {"title": "t"})
     assert json.load(open(paths["json"]))["meta"] == {"title": "t"}
@@ -16,13 +19,20 @@ def test_sweep_csv_and_json_written_as_one_set(tmp_path, monkeypatch):
     def fail(files):  # a failure before the renames leaves the previous pair untouched
         raise OSError("disk full")
 
-    before = {p: open(paths[p]).read() for p in ("csv", "json")}
-    monkeypatch.setattr(sweep, "write_file_set", fail)
-    try:
+    assert open(paths["png"], "rb").read() == repr([row]).encode()
+    before = {p: open(paths[p], "rb").read() for p in ("csv", "json", "png")}
+
+    def plot_fails(rows, title=""):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(sweep, "sweep_png", plot_fails)  # drawn before any file is written
+    with pytest.raises(RuntimeError):
         sweep.write_sweep({"rows": [], "ratios": {"x": 1}, "results": {}}, str(tmp_path), {})
-    except OSError:
-        pass
-    assert {p: open(paths[p]).read() for p in ("csv", "json")} == before
+    monkeypatch.setattr(sweep, "sweep_png", lambda rows, title="": b"new")
+    monkeypatch.setattr(sweep, "write_file_set", fail)
+    with pytest.raises(OSError):
+        sweep.write_sweep({"rows": [], "ratios": {"x": 1}, "results": {}}, str(tmp_path), {})
+    assert {p: open(paths[p], "rb").read() for p in ("csv", "json", "png")} == before
     assert sorted(os.listdir(tmp_path)) == ["sweep.csv", "sweep.json", "sweep.png"]
 
 
@@ -38,6 +48,7 @@ def test_run_sweep_writes_files_only_where_asked(tmp_path, monkeypatch, smol):
     res = run_sweep(out_dir="out", **kw)
     assert sorted(os.listdir(tmp_path / "out")) == ["sweep.csv", "sweep.json", "sweep.png"]
     assert set(res["paths"]) == {"csv", "json", "png"}
+    assert open(tmp_path / "out" / "sweep.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_sweep_and_eval_on_a_jsonl_task_record_the_lengths_its_samples_hold(tmp_path, smol):
