@@ -29,6 +29,8 @@ def _cmd_validate(args) -> int:
           f"head_dim {plan.geometry.head_dim}); modalities {list(plan.modalities)}")
     print(f"honest bpv {bpv.total:.4f} (payload {bpv.payload:.4f}, scales/zeros {bpv.scales_zeros:.4f}, "
           f"key correction {bpv.correction:.4f}, residual {bpv.residual:.4f}) at {ref.context_len} tokens, mix {dict(ref.modality_mix)}")
+    for note in plan.measurement_notes():
+        print(f"{args.plan}: warning: {note}", file=sys.stderr)
     return 0
 
 

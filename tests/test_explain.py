@@ -292,3 +292,38 @@ def test_text_report_names_the_slot_formats(tmp_path):
     v1 = tmp_path / "v1.yaml"
     base.to_yaml(v1)
     assert "slot formats" not in explain(str(v1))
+
+
+@pytest.mark.parametrize("recorded", ["digest", "bpv only"])
+def test_a_plan_edited_since_its_search_shows_its_metrics_as_another_plans(searched, tmp_path, recorded, capsys):
+    """A hand-edited plan showed the searched plan's KL as "this plan on test" beside its new bpv, with no
+    word that the numbers were measured on other bits."""
+    from kvplan.cli import main
+
+    plan = Plan.from_yaml(searched)
+    assert plan.metrics["search"]["plan_digest"] == plan.content_digest() and plan.measurement_notes() == []
+    if recorded == "bpv only":  # a plan written before the digest: its metrics.bpv tells the edit
+        search = {k: v for k, v in plan.metrics["search"].items() if k != "plan_digest"}
+        plan = plan.replace(metrics={**plan.metrics, "search": search})
+    unedited = tmp_path / "unedited.yaml"
+    plan.to_yaml(unedited)
+    assert "edited since" not in explain(unedited) and "before it was edited" not in explain(unedited)
+    table = plan.table()
+    table[0] = 8  # the user raises layer 0 to 8 bits
+    edited = plan.with_table(table).replace(target_bpv=None)
+    edited.to_yaml(tmp_path / "edited.yaml")
+    [note] = Plan.from_yaml(tmp_path / "edited.yaml").measurement_notes()
+    assert note.startswith("edited since") and "re-measure it with kvplan eval" in note
+    txt = explain(tmp_path / "edited.yaml")
+    assert "measured on test (held-out) (the plan as searched, before it was edited): KL" in txt
+    assert "this plan on test" not in txt and f"warning: plan {note}" in txt
+    assert main(["validate", str(tmp_path / "edited.yaml")]) == 0
+    assert f"warning: {note}" in capsys.readouterr().err
+
+
+def test_a_plan_over_its_target_bpv_is_flagged(tmp_path):
+    plan = uniform_plan(GEOM, 4, 2, modalities=MODS, reference=REF)
+    over = plan.replace(target_bpv=round(plan.bpv().total - 0.5, 1))
+    assert over.measurement_notes() == [f"its honest bpv {plan.bpv().total:.4f} exceeds its budget.target_bpv "
+                                        f"{over.target_bpv:g}"]
+    assert plan.replace(target_bpv=plan.bpv().total).measurement_notes() == []

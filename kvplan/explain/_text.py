@@ -196,7 +196,8 @@ def _measured(rep: dict, L: list[str]) -> None:
             extra = f", accuracy {ci(d, 'acc')}{fp}"
         nll = f", NLL {ci(d, 'nll')}" if d.get("nll") is not None else ""
         n = f" [{int(d['n_samples'])} samples]" if d.get("n_samples") else ""
-        L.append(f"measured on {d['label']}: KL {ci(d, 'kl')}{nll}{extra}{n}")
+        before = " (the plan as searched, before it was edited)" if rep.get("measured_elsewhere") else ""
+        L.append(f"measured on {d['label']}{before}: KL {ci(d, 'kl')}{nll}{extra}{n}")
     s = (rep.get("metrics") or {}).get("search")
     if isinstance(s, dict):
         def g(k, default="?"):
@@ -252,7 +253,7 @@ def _pareto(rep: dict, L: list[str]) -> None:
         L.append("baselines in the study (calibration): " + ", ".join(
             f"{p['label']} {p['bpv']:.4f} bpv KL {p['kl']:.4g}" for p in hist["baselines"]))
     bpv = rep["budget"]["bpv"]["total"]
-    for d in rep.get("measured", []):
+    for d in rep.get("measured", []) if not rep.get("measured_elsewhere") else []:
         if number(d.get("kl")) is not None:
             L.append(f"this plan on {d['label']}: {bpv:.4f} bpv, KL {ci(d, 'kl')}")
     if rep["budget"]["target_bpv"] is not None:

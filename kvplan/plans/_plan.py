@@ -11,6 +11,9 @@ on the way is a :class:`~kvplan.errors.PlanError` naming file, key path and valu
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
@@ -236,6 +239,44 @@ class Plan:
         if self.feedback_metric is not None:
             d["feedback_metric"] = self.feedback_metric.to_dict()
         return d
+
+    def content_digest(self) -> str:
+        """``sha256:<16 hex>`` of what a measurement of this plan depends on: the model geometry, modalities,
+        labelling, quantizer, every slot's format code, the budget's reference, and the key-correction basis,
+        RoPE frequencies and error-feedback metric; not its name, provenance, metrics or stated bpv, nor how
+        its rules are written. The search records it (``metrics.search.plan_digest``)."""
+        d = self.to_dict()
+        for key in ("schema_version", "name", "provenance", "metrics", "bits"):
+            d.pop(key, None)
+        d["budget"] = {"reference": d["budget"]["reference"]}
+        d["codes"] = self.code_table().tolist()
+        text = json.dumps(d, sort_keys=True, default=str, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def measurement_notes(self) -> list[str]:
+        """What a reader of this plan's ``metrics`` must know, one line each: the plan was edited since its
+        search measured it (another :meth:`content_digest`, or for plans without one another bpv than
+        ``metrics.bpv``), so those numbers are not this plan's; its bpv exceeds its ``target_bpv``."""
+        notes = []
+        metrics = self.metrics if isinstance(self.metrics, Mapping) else {}
+        search = metrics.get("search") if isinstance(metrics.get("search"), Mapping) else {}
+        recorded = search.get("plan_digest")
+        total = self.bpv().total
+        if isinstance(recorded, str):
+            now = self.content_digest()
+            if recorded != now:
+                notes.append(f"edited since its search measured it (metrics.search.plan_digest {recorded}, this "
+                             f"plan {now}): its metrics are the searched plan's, not this one's; re-measure it "
+                             "with kvplan eval")
+        else:
+            stated = metrics.get("bpv", {}).get("total") if isinstance(metrics.get("bpv"), Mapping) else None
+            if isinstance(stated, (int, float)) and not isinstance(stated, bool) and math.isfinite(stated) and \
+                    not math.isclose(stated, total, rel_tol=1e-9, abs_tol=1e-12):
+                notes.append(f"edited since it was measured (metrics.bpv.total {stated:.6g}, this plan "
+                             f"{total:.6g} bpv): its metrics are another plan's; re-measure it with kvplan eval")
+        if self.target_bpv is not None and total > self.target_bpv + 1e-9:
+            notes.append(f"its honest bpv {total:.4f} exceeds its budget.target_bpv {self.target_bpv:g}")
+        return notes
 
     def to_yaml(self, path: str | os.PathLike | None = None, flat: bool = False) -> str:
         """Serialize; with ``path`` the file is written atomically (temp file + rename)."""

@@ -1222,6 +1222,7 @@ def _finalize(*, study, space, s, budgets, multi, granularity, seed, study_name,
             metrics["test"] = _plain(_metrics_of(test_scorer(plan)))
         bpv = plan.bpv()
         metrics["bpv"] = _plain(bpv.as_dict())
+        metrics["search"]["plan_digest"] = plan.content_digest()  # what explain compares: edited since?
         name = f"{getattr(scorer, 'model_name', None) or geometry.model_type}-{granularity}-{b:g}bpv"
         plans[b] = plan.replace(target_bpv=b, metrics=_plain(metrics), name=name, provenance=Provenance(
             produced_by="kvplan search", seed=seed, data_hash=getattr(scorer, "data_hash", None)))
