@@ -47,7 +47,7 @@ from ..models.geometry import Geometry, text_config
 from ..kernels import FULL_PRECISION_BITS
 from ..kernels.feedback import feedback_factors
 from ..kernels.formats import ScaleRangeError
-from ..kernels.rotation import Rotation, hadamard_matrix
+from ..kernels.rotation import AngleTable, Rotation, hadamard_matrix
 from ..plans import KINDS, STREAMED, Plan, committed_length, split_codes, stored_runs
 from ..plans._fields import SINK_AXIS
 from ..plans.accounting import recent_tokens, sliding_kept_start, stream_tokens
@@ -58,20 +58,30 @@ from .storage import PackedBlock, Residual, Segment
 TEXT = "text"
 
 
-def plan_rotations(plan: Plan, device, layer: int = 0) -> dict[str, Rotation | None]:
+def plan_rotations(plan: Plan, device, layer: int = 0, tables: dict | None = None) -> dict[str, Rotation | None]:
     """The write/read rotation of quantized Keys and Values of ``layer`` under ``plan`` (``None``:
-    none); pre-RoPE keys use that layer's RoPE frequencies (hybrid models have several bases)."""
+    none); pre-RoPE keys use that layer's RoPE frequencies (hybrid models have several bases).
+    ``tables``: the RoPE angle tables already made for other layers (shared, filled here)."""
     q = plan.quantizer
     return layer_rotations(plan.geometry.head_dim, q.rotation, plan.layer_inv_freq(layer) if q.key_pre_rope else None,
-                           device)
+                           device, tables)
 
 
-def layer_rotations(head_dim: int, rotation: str, inv_freq, device) -> dict[str, Rotation | None]:
+def layer_rotations(head_dim: int, rotation: str, inv_freq, device, tables: dict | None = None
+                    ) -> dict[str, Rotation | None]:
     """:func:`plan_rotations` from the settings: ``rotation`` ("hadamard" / "none") and the
-    layer's RoPE inverse frequencies ``inv_freq`` when keys are stored pre-RoPE (else None)."""
+    layer's RoPE inverse frequencies ``inv_freq`` when keys are stored pre-RoPE (else None).
+    ``tables``: :class:`AngleTable` s by frequencies, shared by the layers of one cache."""
     H = hadamard_matrix(head_dim, device) if rotation == "hadamard" else None
-    inv = None if inv_freq is None else torch.tensor(inv_freq, dtype=torch.float32, device=device)
-    return {"k": None if H is None and inv is None else Rotation(H, inv),
+    table = None
+    if inv_freq is None:
+        inv = None
+    else:
+        inv = torch.tensor(inv_freq, dtype=torch.float32, device=device)
+        if tables is not None:
+            key = (str(device), inv.cpu().numpy().tobytes())
+            table = tables.setdefault(key, AngleTable(inv))
+    return {"k": None if H is None and inv is None else Rotation(H, inv, table),
             "v": None if H is None else Rotation(H)}
 
 
@@ -152,21 +162,26 @@ class KVPlanLayer(CacheLayerMixin):
                 f"{g.num_kv_heads} KV heads of head_dim {g.head_dim}"
             )
         q = self.owner.plan.quantizer
-        self.residual = {kind: Residual(q.residual_bits, q.group_size, x[:, :, :0].to(self.dtype))
+
+        def empty(x: torch.Tensor, heads: int) -> torch.Tensor:  # [B, heads, 0, D], owning no storage: a
+            # zero-length slice of x would be a view keeping the whole prompt's states alive, uncounted
+            return x.new_empty((x.shape[0], heads, 0, x.shape[-1]), dtype=self.dtype)
+
+        self.residual = {kind: Residual(q.residual_bits, q.group_size, empty(x, n_kv))
                          for kind, x in (("k", key_states), ("v", value_states))}
-        self.recent = {kind: Residual(q.residual_bits, q.group_size, x[:, :, :0].to(self.dtype))
+        self.recent = {kind: Residual(q.residual_bits, q.group_size, empty(x, n_kv))
                        for kind, x in (("k", key_states), ("v", value_states))}
         if q.heavy_length and self.window is None:
             self.heavy = HeavyCopies(q.heavy_length, q.residual_bits, q.group_size)
         if self.streamed:
             idx = list(self.streamed)
-            self.stream_copies = {kind: Residual(q.residual_bits, q.group_size, x[:, idx, :0].to(self.dtype))
+            self.stream_copies = {kind: Residual(q.residual_bits, q.group_size, empty(x, len(idx)))
                                   for kind, x in (("k", key_states), ("v", value_states))}
         basis = self.owner.plan.key_basis
         # key correction basis of this layer: fp32 [H_kv, D, r] on the cache's device
         self.key_basis = (None if basis is None else
                           torch.from_numpy(basis.array[self.layer_idx].astype("float32")).to(self.device))
-        self.rotation = plan_rotations(self.owner.plan, self.device, self.layer_idx)
+        self.rotation = plan_rotations(self.owner.plan, self.device, self.layer_idx, self.owner.angle_tables)
         padding = self.owner.row_padding
         if padding is not None:  # a left-padded batch: each row keyed on its RoPE positions
             B = key_states.shape[0]
@@ -183,7 +198,10 @@ class KVPlanLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append ``[B, H_kv, T_new, D]`` states; return all keys and values ``[B, H_kv, T, D]``."""
+        """Append ``[B, H_kv, T_new, D]`` states; return all keys and values ``[B, H_kv, T, D]``. The cache
+        stores values, not autograd history: what it returns carries no gradient (a forward with gradients
+        on runs as under ``torch.no_grad`` here, and keeps no graph alive)."""
+        key_states, value_states = key_states.detach(), value_states.detach()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t_new = key_states.shape[-2]
@@ -701,6 +719,7 @@ class KVPlanCache(Cache):
         # each row's left padding, set by align_to_padding (None: unpadded): by it a row's pre-RoPE key
         # frame trails the cache index, and grid_origin and sink_length follow from it
         self.row_padding: list[int] | None = None
+        self.angle_tables: dict = {}  # RoPE angle tables of pre-RoPE keys, one per frequency set, all layers
         self._labels: list[str] = []
         # format codes [L, H_kv, 2, M] (bits, + CORRECTED if corrected), resolved from the rules once
         self.code_table = plan.code_table()
@@ -787,6 +806,7 @@ class KVPlanCache(Cache):
         :meth:`assign_labels`, :meth:`pause_commits`)."""
         super().reset()
         self.row_padding = None
+        self.angle_tables = {}  # made again at the next prompt, from its own padding
         self._labels = []
         self.commits_paused = False
 

@@ -188,7 +188,8 @@ def kvplan_packed_attention(module, query, key, value, attention_mask, scaling=N
         mask = mask.to(torch.float32)
     key, value, mask = _with_heavy_copies(layer, query, key, value, mask)
     key, value, mask = _with_stream_copies(layer, query, key, value, mask)
-    out = layer.owner.attention_kernel(query, key_blocks, value_blocks, key, value, mask, scaling)
+    with torch.no_grad():  # inference kernels (out= buffers, packed codes): no autograd through them
+        out = layer.owner.attention_kernel(query, key_blocks, value_blocks, key, value, mask, scaling)
     layer._commit()
     if layer.heavy is not None:
         layer.heavy.resolve()  # tokens committed by a decode step: no prompt scores them

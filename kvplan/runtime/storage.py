@@ -99,8 +99,11 @@ class PackedBlock:
             return cls(tuple(heads), bits, axis, group_size, 0, T, D,
                        x.new_empty((*x.shape[:2], T, 0), dtype=torch.uint8), position=start)
         offset = (start - grid_origin) % group_size if axis == "channel" else 0
-        if bits == FULL_PRECISION_BITS:
-            return cls(tuple(heads), bits, axis, group_size, 0, T, D, x.contiguous(), position=start)
+        if bits == FULL_PRECISION_BITS:  # a copy of its own: x may be a view of a larger buffer (the residual)
+            owned = x.contiguous()
+            if owned.untyped_storage().nbytes() != owned.nbytes:
+                owned = owned.clone()
+            return cls(tuple(heads), bits, axis, group_size, 0, T, D, owned, position=start)
         fmt = None if fmt is None or fmt.legacy else fmt
         stored = x if rotation is None else rotation.forward(x, start)  # [B, h, T, D] in the stored frame
         if feedback is None:

@@ -271,3 +271,59 @@ def test_half_precision_models(dtype):
     assert out.cache.grid_origin == 3  # the first row's left padding: groups start there
     assert out.cache.layers[0].committed == 3 + 32
     assert out.cache.bpv() < 16
+
+
+def _held_storage(cache) -> tuple[int, int]:
+    """``(bytes the cache counts, bytes of the storages its tensors keep alive)``."""
+    storages: dict[int, int] = {}
+
+    def visit(t):
+        if torch.is_tensor(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    for layer in cache.layers:
+        for kind in "kv":
+            holders = [layer.residual[kind], layer.recent[kind]] + [b for s in layer.segments[kind] for b in s.blocks]
+            if layer.stream_copies:
+                holders.append(layer.stream_copies[kind])
+            for holder in holders:
+                holder.map_tensors(visit)
+    storages.pop(0, None)  # empty tensors
+    return cache.nbytes(), sum(storages.values())
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_the_cache_keeps_alive_no_more_than_it_counts(kv_heads):
+    """An empty recent-copy store was a zero-length view of the prompt's states, and a 16-bit sink block of
+    a one-KV-head model a view of the residual: the whole prompt's full-precision K/V stayed alive behind
+    them, uncounted (8.5x nbytes at 2000 tokens)."""
+    model = tiny_llama(num_kv_heads=kv_heads, head_dim=64)
+    plan = uniform_plan(Geometry.of(model), 2, 2, residual_length=32, sink_length=4)  # no recent copies
+    ids = torch.randint(3, 250, (1, 600), generator=torch.Generator().manual_seed(0))
+    kvplan.load(model, plan)
+    try:
+        cache = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True).cache
+    finally:
+        kvplan.unload(model)
+    counted, held = _held_storage(cache)
+    assert counted <= held <= 1.5 * counted  # codes in capacity buffers grow by 1.5x at most
+
+
+@pytest.mark.parametrize("attention", ["dequantize", "chunked", "native"])
+def test_a_forward_with_gradients_on_runs_as_without(attention):
+    """A manual decode loop without torch.no_grad (a model's default) failed in the kernels with a raw
+    "functions with out=... arguments don't support automatic differentiation"."""
+    model = tiny_llama(head_dim=64)
+    ids = torch.randint(3, 250, (1, 200), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    kvplan.load(model, "int4", attention=attention)
+    try:
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad):
+                cache = kvplan.make_cache(model, model.kvplan_plan, ids)
+                first = model(input_ids=ids, cache=cache).logits[:, -1:]
+                logits[grad] = model(input_ids=first.argmax(-1), cache=cache).logits.detach()
+    finally:
+        kvplan.unload(model)
+    assert torch.equal(logits[True], logits[False])
