@@ -75,27 +75,53 @@ def rotate_pairs_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return x
 
 
+class AngleTable:
+    """RoPE angles by cache index for one set of inverse frequencies, shared by every layer (and kind) of a
+    cache that rotates with them: ``cos`` / ``sin [n, d/2]`` fp32 of table rows ``0 .. n - 1``, grown by
+    doubling (every read of the history needs them, so they are computed once, not per block, step or
+    layer: one table per layer grew with the context, uncounted, to many times the cache), with its
+    complex and transposed forms built on demand. Row ``j`` holds RoPE position ``j - origin`` (the
+    batch's longest left padding, 0 unpadded)."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq
+        self.origin = 0
+        self.cos = self.sin = None
+        self.cis = None  # cos + i sin (complex64), rebuilt when the table grows
+        self.by_pair = None  # cos / sin transposed, [d/2, n] each (native kernel)
+
+    def set_origin(self, origin: int) -> None:
+        if origin != self.origin:
+            self.origin = origin
+            self.cos = self.sin = self.cis = self.by_pair = None
+
+    def grow(self, stop: int) -> None:
+        """Make rows ``0 .. stop - 1`` available."""
+        have = 0 if self.cos is None else self.cos.shape[0]
+        if stop > have:
+            n = max(stop, 2 * have, 1024)
+            cos, sin = _cos_sin(have - self.origin, n - self.origin, self.inv_freq, self.inv_freq.device)
+            self.cos = cos if self.cos is None else torch.cat([self.cos, cos])
+            self.sin = sin if self.sin is None else torch.cat([self.sin, sin])
+
+
 class Rotation:
     """The write/read transform of one kind (K or V) of one cache.
 
     ``hadamard``: fp32 ``[D, D]`` or ``None``; ``inv_freq``: fp32 ``[d/2]`` (keys in the pre-RoPE
-    frame) or ``None``. Tensors live on the cache's device.
+    frame) or ``None``; ``table``: the :class:`AngleTable` of ``inv_freq`` to share (default: its own).
+    Tensors live on the cache's device.
     """
 
-    def __init__(self, hadamard: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None):
+    def __init__(self, hadamard: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
+                 table: AngleTable | None = None):
         if hadamard is None and inv_freq is None:
             raise ValueError("a Rotation needs a Hadamard matrix, RoPE frequencies, or both")
         self.hadamard, self.inv_freq = hadamard, inv_freq
-        # table row j holds the angles of RoPE position j - origin (origin: the batch's longest left
-        # padding, 0 unpadded); row b of the batch reads cache index t at table row t + row_shift[b]
-        self.origin = 0
+        self.table = None if inv_freq is None else (table or AngleTable(inv_freq))
+        # row b of the batch reads cache index t at table row t + row_shift[b]
         self.row_shift: torch.Tensor | None = None  # int64 [B]; None: every row at shift 0
         self.max_shift = 0
-        # cos / sin of table rows 0 .. n-1 ([n, d/2] fp32), grown by doubling: every read of
-        # the history needs them, so they are computed once, not per block and step
-        self._cos = self._sin = None
-        self._cis = None  # cos + i sin of the same table (complex64), rebuilt when it grows
-        self._angles_t = None  # cos / sin of the same table transposed, [d/2, n] each (native kernel)
         self._tile = self._pairs = None  # tile_matrices(), pair_order(): built once
 
     def set_row_padding(self, padding) -> None:
@@ -106,9 +132,7 @@ class Rotation:
             return
         padding = [int(p) for p in padding]
         origin = max(padding, default=0)
-        if origin != self.origin:
-            self.origin = origin
-            self._cos = self._sin = self._cis = self._angles_t = None
+        self.table.set_origin(origin)
         shift = [origin - p for p in padding]
         self.max_shift = max(shift, default=0)
         self.row_shift = torch.tensor(shift, dtype=torch.int64, device=self.inv_freq.device) if self.max_shift else None
@@ -144,9 +168,10 @@ class Rotation:
         """complex64 ``cos + i sin`` of cache indices ``position ..``: ``[length, d/2]`` (a view of a
         table), or ``[B, 1, length, d/2]`` when the batch rows' padding differs (:meth:`set_row_padding`)."""
         self.angles(position, length + self.max_shift)
-        if self._cis is None or self._cis.shape[0] != self._cos.shape[0]:
-            self._cis = torch.complex(self._cos, self._sin)
-        return self._per_row(self._cis, position, length)
+        t = self.table
+        if t.cis is None or t.cis.shape[0] != t.cos.shape[0]:
+            t.cis = torch.complex(t.cos, t.sin)
+        return self._per_row(t.cis, position, length)
 
     def tile_matrices(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``A, A·P [D, D]`` with which a kernel reads a key tile ``ŷ`` of the pre-RoPE frame:
@@ -170,9 +195,10 @@ class Rotation:
         angles over consecutive tokens are contiguous. Row ``b`` of a padded batch reads its cache
         index ``t`` at column ``t - position + row_shift[b]``: ask for ``length + max_shift``."""
         self.angles(position, length)
-        if self._angles_t is None or self._angles_t[0].shape[1] != self._cos.shape[0]:
-            self._angles_t = (self._cos.t().contiguous(), self._sin.t().contiguous())
-        cos_t, sin_t = self._angles_t
+        t = self.table
+        if t.by_pair is None or t.by_pair[0].shape[1] != t.cos.shape[0]:
+            t.by_pair = (t.cos.t().contiguous(), t.sin.t().contiguous())
+        cos_t, sin_t = t.by_pair
         return cos_t[:, position : position + length], sin_t[:, position : position + length]
 
     def angles(self, position: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,19 +206,14 @@ class Rotation:
         (views of the table; needs ``inv_freq``): the cache indices of the batch rows at shift 0
         (every row unpadded); :meth:`row_angles` gives each row its own."""
         stop = position + length
-        have = 0 if self._cos is None else self._cos.shape[0]
-        if stop > have:
-            n = max(stop, 2 * have, 1024)
-            cos, sin = _cos_sin(have - self.origin, n - self.origin, self.inv_freq, self.inv_freq.device)
-            self._cos = cos if self._cos is None else torch.cat([self._cos, cos])
-            self._sin = sin if self._sin is None else torch.cat([self._sin, sin])
-        return self._cos[position:stop], self._sin[position:stop]
+        self.table.grow(stop)
+        return self.table.cos[position:stop], self.table.sin[position:stop]
 
     def row_angles(self, position: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``cos`` / ``sin`` of cache indices ``position ..`` for every batch row: ``[length, d/2]``
         or, when the rows' padding differs, ``[B, 1, length, d/2]``."""
         self.angles(position, length + self.max_shift)
-        return self._per_row(self._cos, position, length), self._per_row(self._sin, position, length)
+        return self._per_row(self.table.cos, position, length), self._per_row(self.table.sin, position, length)
 
     def forward(self, x: torch.Tensor, position: int) -> torch.Tensor:
         """``x [B, h, T, D]`` of tokens from cache index ``position`` -> rotated fp32."""
