@@ -117,6 +117,8 @@ def decode_attention_kernel(cuda: bool, head_dim: int | None = None):
 
             return native_decode_attention
         _warn_chunked_once(why)
+    else:
+        _warn_chunked_once("Triton cannot be imported", "the fused Triton CUDA decode attention")
     from .attention_chunked import chunked_decode_attention
 
     return chunked_decode_attention
@@ -140,8 +142,8 @@ def native_unavailable(head_dim: int | None = None) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_chunked_once(why: str) -> None:
+def _warn_chunked_once(why: str, kernel: str = "the native CPU decode attention") -> None:
     import warnings
 
-    warnings.warn(f"kvplan: the native CPU decode attention is not available ({why}); using the chunked "
-                  "PyTorch kernel, which is slower", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"kvplan: {kernel} is not available ({why}); using the chunked PyTorch kernel, which is "
+                  "slower", RuntimeWarning, stacklevel=3)

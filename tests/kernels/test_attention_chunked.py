@@ -33,6 +33,21 @@ def test_dispatcher_uses_chunked_on_cpu_when_native_is_off(monkeypatch):
     assert torch.equal(out, chunked_decode_attention(q, kb, vb, kr, vr))
 
 
+def test_the_cuda_dispatch_without_triton_warns_that_it_uses_chunked(monkeypatch):
+    """attention="auto" on a CUDA model without an importable Triton took the chunked kernel silently."""
+    from kvplan.kernels import decode_attention_kernel
+
+    monkeypatch.setenv("KVPLAN_DISABLE_TRITON", "1")
+    kernels._warn_chunked_once.cache_clear()
+    kernels.triton_available.cache_clear()  # cached per process: asked again under the variable, and after it
+    try:
+        with pytest.warns(RuntimeWarning, match="the fused Triton CUDA decode attention is not available \\(Triton "
+                                                "cannot be imported\\); using the chunked PyTorch kernel"):
+            assert decode_attention_kernel(cuda=True, head_dim=64) is chunked_decode_attention
+    finally:
+        kernels.triton_available.cache_clear()
+
+
 def test_no_keys_is_an_error():
     q = torch.zeros(1, 2, 1, 64)
     with pytest.raises(ValueError, match="no keys"):
