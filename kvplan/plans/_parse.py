@@ -48,6 +48,12 @@ def plan_fields(d) -> dict:
     if name is not None:
         check_str(name, "name")
     geometry = _geometry(d["model"])
+    if version >= 2 and geometry.sliding_window is None and "sliding" in geometry.layer_types:
+        # every writer of schema 2 on records the window; without it the sliding layers would be counted
+        # as keeping every token while the cache frees what leaves the model's window
+        raise PlanError("model.sliding_window", f"missing: the plan has sliding layers, and schema_version "
+                        f"{version} plans record their window (only version-1 files may leave it out)",
+                        show_value=False)
     modalities = check_list(d.get("modalities", [DEFAULT_MODALITY]), "modalities", "names")
     labelling = check_str(d["labelling"], "labelling") if "labelling" in d else TOKEN_IDS_NAME
     q = d.get("quantizer", {})

@@ -166,6 +166,10 @@ def test_plan_without_a_window_deploys_with_the_models(gemma, tmp_path):
     d = plan.to_dict()
     assert d["model"]["sliding_window"] == W
     del d["model"]["sliding_window"], d["model"]["fingerprint"], d["budget"]["bpv"]
+    with pytest.raises(kvplan.PlanError, match="model.sliding_window: missing: the plan has sliding layers, and "
+                                               f"schema_version {d['schema_version']} plans record their window"):
+        Plan.from_dict(d)  # a window deleted by hand: the sliding layers' bytes would be counted without it
+    d["schema_version"] = 1
     old = Plan.from_dict(d)
     assert old.geometry.sliding_window is None
     cache = kvplan.make_cache(gemma, old)
