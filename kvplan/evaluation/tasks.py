@@ -156,7 +156,8 @@ def _check_sample_count(n, where: str, allow_all: bool) -> None:
 
 
 def default_task_samples(tokenizer, split: str = "test", n: int = 16,
-                         history_tokens: int = DEFAULT_HISTORY_TOKENS, eval_tokens: int = DEFAULT_EVAL_TOKENS, cue_tokens: int = 8, option_tokens: int = 6, n_options: int = 4,
+                         history_tokens: int = DEFAULT_HISTORY_TOKENS, eval_tokens: int = DEFAULT_EVAL_TOKENS,
+                         cue_tokens: int = 8, option_tokens: int = 6, n_options: int = 4,
                          seed: int = 0) -> list[Sample]:
     """Samples of the built-in documentation task (see module docstring).
 

@@ -192,7 +192,8 @@ DEFAULT_SAMPLES = {"calibration": 12, "validation": 16, "test": 16}  # of the bu
 
 def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, n_calibration: int | None = None,
                  n_validation: int | None = None, n_test: int | None = None,
-                 history_tokens: int = DEFAULT_HISTORY_TOKENS, eval_tokens: int = DEFAULT_EVAL_TOKENS, context_len: int | None = None, attention: str = "auto",
+                 history_tokens: int = DEFAULT_HISTORY_TOKENS, eval_tokens: int = DEFAULT_EVAL_TOKENS,
+                 context_len: int | None = None, attention: str = "auto",
                  progress: bool = True, before_prefill=None, labelling=None, processes: int | None = None
                  ) -> TaskScorers:
     """Scorers on ``task`` (``"default"``: the built-in documentation task; or a JSONL file).
@@ -252,7 +253,8 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
 
 
 def harness_scorers(model="smollm2-135m", *, seed: int = 0, n_calibration: int = 12, n_heldout: int = 16,
-                    history_tokens: int = DEFAULT_HISTORY_TOKENS, eval_tokens: int = DEFAULT_EVAL_TOKENS, progress: bool = True, before_prefill=None):
+                    history_tokens: int = DEFAULT_HISTORY_TOKENS, eval_tokens: int = DEFAULT_EVAL_TOKENS,
+                    progress: bool = True, before_prefill=None):
     """``(calibration_scorer, test_scorer)`` on the built-in task (no validation split), as
     the benchmark scripts use them; see :func:`task_scorers`."""
     s = task_scorers(model, seed=seed, n_calibration=n_calibration, n_validation=0, n_test=n_heldout,

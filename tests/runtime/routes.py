@@ -23,6 +23,17 @@ KERNELS = [pytest.param("native", id="native"), pytest.param("chunked", id="chun
 ROUTE_IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12] * 6, [20, 21, 22, 23, 24, 25, 26, 27] * 6])
 
 
+def generated_cache(model, plan, ids, max_new_tokens: int, attention: str = "auto"):
+    """The cache of one greedy ``generate`` on ``ids`` under ``kvplan.load(model, plan, attention)``
+    (unloaded after)."""
+    kvplan.load(model, plan, attention=attention)
+    try:
+        return model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False,
+                              return_dict_in_generate=True).cache
+    finally:
+        kvplan.unload(model)
+
+
 def generate_like_dequantize(model, plan, attention: str, ids=ROUTE_IDS, max_new_tokens: int = 40):
     """Greedy generation under ``plan`` on ``attention`` and on the dequantize route; asserts
     the same tokens and close scores, returns ``(out, ref)``."""

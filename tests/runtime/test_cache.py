@@ -7,7 +7,7 @@ from transformers import DynamicCache
 import kvplan
 from kvplan import CacheError, Geometry, KVPlanCache, PlanError, baseline_plan, uniform_plan
 from kvplan.kernels.qtypes import channel_group_size
-from tests.runtime.routes import KERNELS, generate_like_dequantize, with_quantizer
+from tests.runtime.routes import KERNELS, generate_like_dequantize, generated_cache, with_quantizer
 from tests.tiny_models import tiny_llama
 
 GEOM = Geometry(2, 2, 16, ("full", "full"), "llama")
@@ -301,12 +301,7 @@ def test_the_cache_keeps_alive_no_more_than_it_counts(kv_heads):
     model = tiny_llama(num_kv_heads=kv_heads, head_dim=64)
     plan = uniform_plan(Geometry.of(model), 2, 2, residual_length=32, sink_length=4)  # no recent copies
     ids = torch.randint(3, 250, (1, 600), generator=torch.Generator().manual_seed(0))
-    kvplan.load(model, plan)
-    try:
-        cache = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True).cache
-    finally:
-        kvplan.unload(model)
-    counted, held = _held_storage(cache)
+    counted, held = _held_storage(generated_cache(model, plan, ids, 3))
     assert counted <= held <= 1.5 * counted  # codes in capacity buffers grow by 1.5x at most
 
 

@@ -12,7 +12,7 @@ from kvplan import Geometry, uniform_plan
 from kvplan.kernels.rotation import Rotation, hadamard_matrix, rope_rotate
 from kvplan.models import rope_inv_freq
 from kvplan.runtime.storage import PackedBlock
-from tests.runtime.routes import KERNELS, generate_like_dequantize
+from tests.runtime.routes import KERNELS, generate_like_dequantize, generated_cache
 from tests.tiny_models import tiny_llama
 
 
@@ -95,12 +95,7 @@ def test_every_layer_of_a_cache_shares_one_rope_angle_table_per_frequency_set():
     base = uniform_plan(Geometry.of(model), 4, 4, residual_length=8, group_size=32)
     plan = base.replace(rope_inv_freq=model_inv_freq(model),
                         quantizer=dataclasses.replace(base.quantizer, rotation="hadamard", key_pre_rope=True))
-    ids = torch.randint(3, 250, (1, 90), generator=torch.Generator().manual_seed(0))
-    kvplan.load(model, plan)
-    try:
-        cache = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True).cache
-    finally:
-        kvplan.unload(model)
+    cache = generated_cache(model, plan, torch.randint(3, 250, (1, 90), generator=torch.Generator().manual_seed(0)), 4)
     tables = {}
     for layer in cache.layers:
         rotation = layer.rotation["k"]
