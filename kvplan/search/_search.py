@@ -860,7 +860,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
             "model": {"name": model_name, "model_type": geometry.model_type, "fingerprint": geometry.fingerprint},
             "data_hash": data_hash, "budgets": sorted(budgets), "multi_objective": multi,
             "reference": {"context_len": reference.context_len, "modality_mix": dict(reference.modality_mix),
-                          "full_precision_bits": reference.full_precision_bits},
+                          "full_precision_bits": reference.full_precision_bits, **_layout_of(reference)},
             "space": config.identity()})
         if study_name is None:
             study_name = f"kvplan-{granularity}-{'-'.join(f'{b:g}' for b in budgets)}bpv-s{seed}"
@@ -881,6 +881,12 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
             profile_head_units=profile_head_units, progress=progress, seed=seed, sampler_seed=sampler_seed,
             n_trials=n_trials, strategy=strategy, baselines=baselines, final_candidates=final_candidates, out=out,
             finalize=finalize, t_start=t_start)
+
+
+def _layout_of(reference: Reference) -> dict:
+    """The reference's measured token layout (its modality runs, which the bytes of every plan depend on) as
+    an identity / setup entry; none for a reference without one, so such studies keep their names."""
+    return {"layout": [list(run) for run in reference.layout]} if reference.layout else {}
 
 
 def _open_study(st, study_name: str, label, *, multi: bool, finalize: bool, seed: int, worker: int | None,
@@ -1078,7 +1084,8 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
     for b in budgets:
         bmodel.check_budget(b)
     desc = {"space": space.describe(), "budgets": budgets,
-            "reference": {"context_len": reference.context_len, "modality_mix": dict(reference.modality_mix)}}
+            "reference": {"context_len": reference.context_len, "modality_mix": dict(reference.modality_mix),
+                          **_layout_of(reference)}}
     old = attrs.get("kvplan.setup")
     if old is not None and old.get("budgets"):  # studies set up before the budgets were sorted
         old = {**old, "budgets": sorted(old["budgets"])}
@@ -1206,6 +1213,11 @@ def _finalize(*, study, space, s, budgets, multi, granularity, seed, study_name,
             if validation_scorer is not None:
                 val_metrics = _metrics_of(validation_scorer(space.plan_of(bt.params, reference)))
         plan = space.plan_of(bt.params, reference)
+        if plan.bpv().total > b + EPS:  # the trial's recorded bpv was measured at another reference
+            raise KVPlanError(f"the best trial within {b:g} bpv (trial {bt.number}, recorded at "
+                              f"{bt.user_attrs['kvplan.bpv']:.6g} bpv) states {plan.bpv().total:.6g} bpv at this "
+                              "search's reference: the study was measured at another reference; use another "
+                              "--study-name")
         cal = dict(bt.user_attrs.get("kvplan.metrics", {}))
         cal["kl"] = bt.values[0]
         metrics = {**base_metrics, "calibration": _plain(cal)}

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from optuna.trial import TrialState
 
+from kvplan.errors import KVPlanError
 from kvplan.plans import Plan
 from kvplan.search import BudgetError, search
 from tests.search.synthetic import SyntheticScorer
@@ -330,3 +331,26 @@ def test_a_search_kept_in_its_own_journal_measures_what_the_same_search_in_memor
         return [(t.params, t.values) for t in r.study.get_trials(states=(TrialState.COMPLETE,))]
 
     assert trials(kept) == trials(memory) and kept.plan.to_dict()["bits"] == memory.plan.to_dict()["bits"]
+
+
+def test_a_study_resumed_at_another_token_layout_is_refused_or_kept_apart(tmp_path):
+    """The study's identity left out the reference's measured layout: a rerun stating the same data as one
+    run per modality (--context) resumed a study measured on the interleaved runs, chose by the bpv its
+    trials recorded there, and exported a plan over its budget (2.71875 for 2.6)."""
+    from kvplan.plans import Reference
+    from tests.search.synthetic import REF
+
+    interleaved = Reference(REF.context_len, REF.modality_mix, REF.full_precision_bits, layout=(
+        ("doc", 1), ("text", 16), ("doc", 17), ("text", 16), ("doc", 17), ("text", 16), ("doc", 17), ("text", 16),
+        ("doc", 908)))
+    kw = dict(budget=2.6, n_candidates=6, n_local=10, progress=False, recent_lengths=(0,), residual_bits=16,
+              profile=False)
+    storage = str(tmp_path / "s.journal")
+    search(n_trials=12, scorer=SyntheticScorer(reference=REF), storage=storage, study_name="x", **kw)
+    with pytest.raises(KVPlanError, match="another budget reference than the study \\(reference.layout: study None"):
+        search(n_trials=13, scorer=SyntheticScorer(reference=interleaved), storage=storage, study_name="x", **kw)
+    out = tmp_path / "plan.yaml"  # the journal beside --out: each layout its own study
+    first = search(n_trials=12, scorer=SyntheticScorer(reference=REF), out=out, keep_trials=True, **kw)
+    other = search(n_trials=13, scorer=SyntheticScorer(reference=interleaved), out=out, keep_trials=True, **kw)
+    assert other.study.study_name != first.study.study_name and other.n_real_evals == 13
+    assert other.plan.bpv().total <= 2.6 and other.plan.reference.layout == interleaved.layout
