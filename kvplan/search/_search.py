@@ -1062,6 +1062,9 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
             streamed = choose_streamed(space, reference, prof, config.stream_window, min(budgets))
             say(f"streamed KV heads (window {config.stream_window}): {len(streamed)} of "
                 f"{len(searched_stream_heads(config.geometry))}")
+            if streamed and len(budgets) > 1:
+                say(f"these heads were chosen at the tightest budget, {min(budgets):g} bpv, and stay streamed in "
+                    "every budget's plan: a search per budget streams fewer heads at the looser ones")
         study.set_user_attr("kvplan.streamed", [list(x) for x in streamed])
         study.set_user_attr("kvplan.profile", prof)
         study.set_user_attr("kvplan.ready", {"by": owner})
