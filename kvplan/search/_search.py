@@ -861,7 +861,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
             "data_hash": data_hash, "budgets": sorted(budgets), "multi_objective": multi,
             "reference": {"context_len": reference.context_len, "modality_mix": dict(reference.modality_mix),
                           "full_precision_bits": reference.full_precision_bits, **_layout_of(reference)},
-            "space": config.identity()})
+            "space": config.identity(), **_profile_identity(profile, profile_head_units)})
         if study_name is None:
             study_name = f"kvplan-{granularity}-{'-'.join(f'{b:g}' for b in budgets)}bpv-s{seed}"
             if own_journal:  # one study per setup in the journal beside --out: a rerun resumes its own
@@ -881,6 +881,19 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
             profile_head_units=profile_head_units, progress=progress, seed=seed, sampler_seed=sampler_seed,
             n_trials=n_trials, strategy=strategy, baselines=baselines, final_candidates=final_candidates, out=out,
             finalize=finalize, t_start=t_start)
+
+
+def _profile_identity(profile, profile_head_units) -> dict:
+    """How the study's sensitivity profile is made, as an identity entry where it is not the default
+    (measured, every unit's heads), so that default studies keep their names: off, given by the caller
+    (by a digest of its entries), or a number of head-profiled units. A rerun with another profile
+    setting gets its own study instead of resuming one whose setup skipped (or made) that profile."""
+    if profile is False or profile is None:
+        return {"profile": "off"}
+    if isinstance(profile, Mapping):
+        return {"profile": "given:" + key_hash(json.dumps({str(k): float(v) for k, v in profile.items()},
+                                                          sort_keys=True))[:16]}
+    return {"head_profile": profile_head_units} if profile_head_units != DEFAULT_HEAD_UNITS else {}
 
 
 def _layout_of(reference: Reference) -> dict:

@@ -363,3 +363,17 @@ def test_several_budgets_say_that_the_tightest_chooses_the_streamed_heads(capsys
     r = search(budget=[1.0, 3.0], n_trials=4, scorer=SyntheticScorer(), n_candidates=6, n_local=10, progress=True)
     assert r.plans[3.0].streamed_heads()
     assert "chosen at the tightest budget, 1 bpv, and stay streamed in every budget's plan" in capsys.readouterr().err
+
+
+def test_a_rerun_with_another_profile_setting_gets_its_own_study(tmp_path):
+    """The profile was not part of a study's identity: at layer granularity a rerun without --no-profile
+    resumed the profile-less study (its setup done), never measured the profile, and exported from it."""
+    kw = dict(budget=3.0, out=tmp_path / "plan.yaml", keep_trials=True, granularity="layer", progress=False,
+              recent_lengths=(0,), residual_bits=16, n_candidates=4, n_local=8)
+    off = search(scorer=SyntheticScorer(), profile=False, n_trials=6, **kw)
+    on = search(scorer=SyntheticScorer(), profile=True, n_trials=8, **kw)
+    assert on.study.study_name != off.study.study_name and on.profile is not None and on.n_profile_evals > 0
+    units = search(scorer=SyntheticScorer(), profile=True, profile_head_units=1, n_trials=8, **kw)
+    assert units.study.study_name not in (on.study.study_name, off.study.study_name)
+    again = search(scorer=SyntheticScorer(), profile=True, n_trials=8, **kw)  # the same setup resumes its study
+    assert again.study.study_name == on.study.study_name and again.n_real_evals == 0
