@@ -128,6 +128,8 @@ def make_storage(storage, *, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_
             os.makedirs(folder, exist_ok=True)
             backend = JournalFileBackend(s)
             _check_journal(s)
+            with open(s, "ab"):  # Optuna appends to an existing file only at the first write: refuse it here
+                pass
             return BeatingJournalStorage(backend, heartbeat_interval, grace_period)
         except OSError as e:
             raise StorageError(f"--storage {s}: cannot open the journal file: {e.strerror or e}") from None

@@ -382,3 +382,24 @@ def test_a_finished_study_rerun_on_other_test_samples_is_measured_again(tmp_path
     other = search(scorer=SyntheticScorer(), validation_scorer=_HeldOut(2), test_scorer=_HeldOut(1),
                    out=str(tmp_path / "c.yaml"), **fast)
     assert other.finalized_by is None and other.n_real_evals == 0 and (tmp_path / "c.yaml").exists()
+
+
+def test_a_read_only_journal_file_is_one_line_before_any_work(tmp_path):
+    """A journal file that cannot be written, in a writable folder, failed inside Optuna's first append with
+    a raw PermissionError traceback (Optuna opens an existing file for appending only when it writes)."""
+    import shutil
+
+    path = tmp_path / "study.journal"
+    make_storage(str(path))  # an empty journal, then read-only
+    os.chmod(path, 0o444)
+    code = ("import sys\nfrom kvplan.search import make_storage\nfrom kvplan.search.storage import StorageError\n"
+            "try:\n    make_storage(sys.argv[1])\nexcept StorageError as e:\n    print('StorageError:', e)\n")
+    # root writes any file: drop the capability that lets it, so that the file's mode applies
+    prefix = (["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+              if os.geteuid() == 0 and shutil.which("setpriv") else [])
+    if os.geteuid() == 0 and not prefix:
+        pytest.skip("running as root without setpriv: a file's mode does not stop root")
+    r = subprocess.run(prefix + [sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == f"StorageError: --storage {path}: cannot open the journal file: Permission denied"
