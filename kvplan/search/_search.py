@@ -99,8 +99,8 @@ from ..plans._files import (budget_plan_path, check_not_inputs, check_writable, 
                             sidecar_paths, write_file_set)  # noqa: F401 -- sidecar_paths is public
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
                        run_once, tell)
-from .storage import (DEFAULT_GRACE_S, DEFAULT_HEARTBEAT_S, Heartbeat, describe_storage, fail_orphaned_trials,
-                      is_persistent, make_storage, owner_attrs, storage_file, trial_owner)
+from .storage import (DEFAULT_GRACE_S, DEFAULT_HEARTBEAT_S, Heartbeat, RetryStale, describe_storage,
+                      fail_orphaned_trials, is_persistent, make_storage, owner_attrs, storage_file, trial_owner)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -585,9 +585,32 @@ class _Searcher:
                     if self.persistent:
                         self.study.set_user_attr("kvplan.exhausted", True)
                     break  # the space is exhausted (tiny spaces)
+        except BaseException:
+            self._give_back_held()
+            raise
         finally:
             if self.bar is not None:
                 self.bar.close()
+
+    def _give_back_held(self) -> None:
+        """On an interruption (Ctrl-C, an error): fail the trials this worker holds and put its evaluations
+        back in the queue, as a dead worker's are. Its process lives on (a notebook), so nothing else would:
+        a resume in the same process waited for its own held slot until the heartbeat went stale, and
+        forever without a heartbeat."""
+        if not self.persistent:
+            return
+        retry = RetryStale()
+        for trial_id in sorted(self.mine):
+            try:
+                trial = self.study._storage.get_trial(trial_id)
+                if trial.state == TrialState.RUNNING:
+                    self.study.tell(trial.number, state=TrialState.FAIL)
+                    retry(self.study, self.study._storage.get_trial(trial_id))
+            except (ValueError, RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
+                pass  # finished or failed meanwhile (another worker, or the storage is gone)
+            finally:
+                self.hb.release(trial_id)
+        self.mine.clear()
 
 
 # ----------------------------------------------------------------------------- results

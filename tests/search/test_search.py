@@ -5,6 +5,7 @@ import json
 import os
 
 import numpy as np
+import optuna
 import pytest
 from optuna.trial import TrialState
 
@@ -247,6 +248,15 @@ def test_an_interrupted_search_keeps_its_trials_beside_out_and_the_same_call_res
     with pytest.raises(KeyboardInterrupt):
         search(scorer=Interrupting(after=4), **kw)
     assert (tmp_path / "plan.journal").exists() and not out.exists()
+    # the interrupted trial was given back: the process lives on (a notebook), and a resume in it waited for
+    # its own held slot until its heartbeat went stale (60 s), or forever without a heartbeat
+    from kvplan.search import make_storage
+
+    [held] = optuna.get_all_study_summaries(make_storage(str(tmp_path / "plan.journal")))
+    study = optuna.load_study(study_name=held.study_name, storage=make_storage(str(tmp_path / "plan.journal")))
+    assert not study.get_trials(states=(TrialState.RUNNING,))
+    # the evaluation it held is back in the queue, as a dead worker's (RetryStale records which trial failed)
+    assert sum("failed_trial" in t.system_attrs for t in study.get_trials(states=(TrialState.WAITING,))) == 1
     sc = SyntheticScorer()
     r = search(scorer=sc, **kw)
     assert r.n_study_trials == 10 and r.n_real_evals == 6 and out.exists()
