@@ -144,17 +144,14 @@ def eval_settings(plan: Plan | None, task: str, seed: int | None, history_tokens
     built-in task's lengths) when it searched this ``task``, else 0 / 512 / 32."""
     search = (plan.metrics.get("search") if plan is not None else None) or {}
     recorded = search.get("task") if isinstance(search.get("task"), dict) else {}
-    same_task = recorded.get("name") == os.fspath(task)
-    plans = {"seed": search.get("seed") if same_task else None,
-             "history_tokens": recorded.get("history_tokens") if same_task else None,
-             "eval_tokens": recorded.get("eval_tokens") if same_task else None}
+    plans = {**recorded, "seed": search.get("seed")} if recorded.get("name") == os.fspath(task) else {}
     given = {"seed": seed, "history_tokens": history_tokens, "eval_tokens": eval_tokens}
     defaults = {"seed": 0, "history_tokens": DEFAULT_HISTORY_TOKENS, "eval_tokens": DEFAULT_EVAL_TOKENS}
     settings, from_plan = {}, []
     for name in given:
         if given[name] is not None:
             settings[name] = given[name]
-        elif isinstance(plans[name], int) and not isinstance(plans[name], bool):
+        elif isinstance(plans.get(name), int) and not isinstance(plans[name], bool):
             settings[name] = plans[name]
             from_plan.append(name)
         else:

@@ -322,10 +322,10 @@ def report(plan_path, importance: bool = True, seed: int = 0, context_lengths: S
     rep["allocation"] = allocation(plan)
     rep["metrics"] = dict(plan.metrics)
     rep["measured"] = measured(plan.metrics, warnings)
-    notes = plan.measurement_notes()
-    warnings.extend(f"plan {note}" for note in notes)
+    edited = plan.edited_note()
+    warnings.extend(f"plan {note}" for note in (edited, plan.over_target_note()) if note)
     # measurements of another version of this plan: shown as such, never as this plan's numbers
-    rep["measured_elsewhere"] = any(note.startswith("edited") for note in notes)
+    rep["measured_elsewhere"] = edited is not None
     if not plan.metrics:
         rep["missing"].append("measured metrics (the plan has none; produce it with kvplan search)")
 

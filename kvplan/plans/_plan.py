@@ -253,30 +253,36 @@ class Plan:
         text = json.dumps(d, sort_keys=True, default=str, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def measurement_notes(self) -> list[str]:
-        """What a reader of this plan's ``metrics`` must know, one line each: the plan was edited since its
-        search measured it (another :meth:`content_digest`, or for plans without one another bpv than
-        ``metrics.bpv``), so those numbers are not this plan's; its bpv exceeds its ``target_bpv``."""
-        notes = []
+    def edited_note(self) -> str | None:
+        """One line when this plan was edited since its search measured it (another :meth:`content_digest`,
+        or for plans without one another bpv than ``metrics.bpv``): its ``metrics`` are not this plan's."""
         metrics = self.metrics if isinstance(self.metrics, Mapping) else {}
         search = metrics.get("search") if isinstance(metrics.get("search"), Mapping) else {}
         recorded = search.get("plan_digest")
-        total = self.bpv().total
         if isinstance(recorded, str):
             now = self.content_digest()
-            if recorded != now:
-                notes.append(f"edited since its search measured it (metrics.search.plan_digest {recorded}, this "
-                             f"plan {now}): its metrics are the searched plan's, not this one's; re-measure it "
-                             "with kvplan eval")
-        else:
-            stated = metrics.get("bpv", {}).get("total") if isinstance(metrics.get("bpv"), Mapping) else None
-            if isinstance(stated, (int, float)) and not isinstance(stated, bool) and math.isfinite(stated) and \
-                    not math.isclose(stated, total, rel_tol=1e-9, abs_tol=1e-12):
-                notes.append(f"edited since it was measured (metrics.bpv.total {stated:.6g}, this plan "
-                             f"{total:.6g} bpv): its metrics are another plan's; re-measure it with kvplan eval")
+            return None if recorded == now else (
+                f"edited since its search measured it (metrics.search.plan_digest {recorded}, this plan {now}): "
+                "its metrics are the searched plan's, not this one's; re-measure it with kvplan eval")
+        stated = metrics.get("bpv", {}).get("total") if isinstance(metrics.get("bpv"), Mapping) else None
+        total = self.bpv().total
+        if isinstance(stated, (int, float)) and not isinstance(stated, bool) and math.isfinite(stated) and \
+                not math.isclose(stated, total, rel_tol=1e-9, abs_tol=1e-12):
+            return (f"edited since it was measured (metrics.bpv.total {stated:.6g}, this plan {total:.6g} bpv): "
+                    "its metrics are another plan's; re-measure it with kvplan eval")
+        return None
+
+    def over_target_note(self) -> str | None:
+        """One line when this plan's honest bpv exceeds its ``target_bpv``."""
+        total = self.bpv().total
         if self.target_bpv is not None and total > self.target_bpv + 1e-9:
-            notes.append(f"its honest bpv {total:.4f} exceeds its budget.target_bpv {self.target_bpv:g}")
-        return notes
+            return f"its honest bpv {total:.4f} exceeds its budget.target_bpv {self.target_bpv:g}"
+        return None
+
+    def measurement_notes(self) -> list[str]:
+        """What a reader of this plan's ``metrics`` must know, one line each: :meth:`edited_note` and
+        :meth:`over_target_note`."""
+        return [note for note in (self.edited_note(), self.over_target_note()) if note]
 
     def to_yaml(self, path: str | os.PathLike | None = None, flat: bool = False) -> str:
         """Serialize; with ``path`` the file is written atomically (temp file + rename)."""

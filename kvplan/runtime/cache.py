@@ -51,7 +51,7 @@ from ..kernels.rotation import AngleTable, Rotation, hadamard_matrix
 from ..plans import KINDS, STREAMED, Plan, committed_length, split_codes, stored_runs
 from ..plans._fields import SINK_AXIS
 from ..plans.accounting import recent_tokens, sliding_kept_start, stream_tokens
-from .fused import MAX_FUSED_QUERY, mark_observed, mark_pending, mark_streamed
+from .fused import ATTENTION_NAME, MAX_FUSED_QUERY, mark_observed, mark_pending, mark_streamed
 from .heavy import HeavyCopies, window_mass
 from .storage import PackedBlock, Residual, Segment
 
@@ -78,9 +78,8 @@ def layer_rotations(head_dim: int, rotation: str, inv_freq, device, tables: dict
         inv = None
     else:
         inv = torch.tensor(inv_freq, dtype=torch.float32, device=device)
-        if tables is not None:
-            key = (str(device), inv.cpu().numpy().tobytes())
-            table = tables.setdefault(key, AngleTable(inv))
+        if tables is not None:  # keyed by the frequencies as given: no copy back from the device
+            table = tables.setdefault((str(device), tuple(float(f) for f in inv_freq)), AngleTable(inv))
     return {"k": None if H is None and inv is None else Rotation(H, inv, table),
             "v": None if H is None else Rotation(H)}
 
@@ -711,7 +710,7 @@ class KVPlanCache(Cache):
         # set when the model runs kvplan's fused attention (see runtime/fused.py)
         self.attention_kernel = attention_kernel
         # the text config whose attention must stay kvplan's while this cache is read (None: no model given,
-        # or a cache the model's own attention reads): checked at each update, see _check_attention
+        # or a cache the model's own attention reads): checked at each update, see check_attention
         needs_kvplan_attention = attention_kernel is not None or bool(plan.streamed_heads())
         self._attention_config = (text_config(model_or_geometry.config)
                                   if needs_kvplan_attention and hasattr(model_or_geometry, "config") else None)
@@ -731,11 +730,7 @@ class KVPlanCache(Cache):
         function packed or masked states, which the model's own attention would read as the whole history
         (after ``kvplan.unload``, or ``kvplan.load`` on the dequantize route)."""
         config = self._attention_config
-        if config is None:
-            return
-        from .fused import ATTENTION_NAME
-
-        if config._attn_implementation != ATTENTION_NAME:
+        if config is not None and config._attn_implementation != ATTENTION_NAME:
             route = getattr(self.attention_kernel, "__name__", None) or "kvplan's attention function"
             raise CacheError(f"this cache was made to be read by kvplan's attention ({route}), but the model now "
                              f"attends with {config._attn_implementation!r} (kvplan.unload, or kvplan.load with "
@@ -746,9 +741,7 @@ class KVPlanCache(Cache):
         """Remove the ``-tokens_to_remove`` newest tokens (transformers' ``Cache.crop``), which must still
         be in every layer's residual; their modality labels go with them, so the next prompt's tokens
         at those positions are labelled anew. Nothing is removed when a layer cannot remove them."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
-        for layer in self.layers:
+        for layer in self.layers:  # (a positive count is refused by the layers' crop, before any change)
             layer.check_crop(-tokens_to_remove)
         super().crop(tokens_to_remove)
         del self._labels[self.get_seq_length():]
@@ -911,8 +904,6 @@ def _check_streaming_attention(plan: Plan, model) -> None:
     attention would read them as zeros, silently)."""
     if not plan.streamed_heads():
         return
-    from .fused import ATTENTION_NAME
-
     config = model.config
     config = text_config(config)
     if config._attn_implementation != ATTENTION_NAME:

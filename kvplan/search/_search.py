@@ -100,7 +100,8 @@ from ..plans._files import (budget_plan_path, check_not_inputs, check_writable, 
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
                        run_once, tell)
 from .storage import (DEFAULT_GRACE_S, DEFAULT_HEARTBEAT_S, Heartbeat, RetryStale, describe_storage,
-                      fail_orphaned_trials, is_persistent, make_storage, owner_attrs, storage_file, trial_owner)
+                      fail_and_requeue, fail_orphaned_trials, is_persistent, make_storage, owner_attrs, storage_file,
+                      trial_owner)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -601,15 +602,10 @@ class _Searcher:
             return
         retry = RetryStale()
         for trial_id in sorted(self.mine):
-            try:
-                trial = self.study._storage.get_trial(trial_id)
-                if trial.state == TrialState.RUNNING:
-                    self.study.tell(trial.number, state=TrialState.FAIL)
-                    retry(self.study, self.study._storage.get_trial(trial_id))
-            except (ValueError, RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
-                pass  # finished or failed meanwhile (another worker, or the storage is gone)
-            finally:
-                self.hb.release(trial_id)
+            trial = self.study._storage.get_trial(trial_id)
+            if trial.state == TrialState.RUNNING:
+                fail_and_requeue(self.study, trial, retry)
+            self.hb.release(trial_id)
         self.mine.clear()
 
 
@@ -1252,9 +1248,10 @@ def _finalize(*, study, space, s, budgets, multi, granularity, seed, study_name,
             if validation_scorer is not None:
                 val_metrics = _metrics_of(validation_scorer(space.plan_of(bt.params, reference)))
         plan = space.plan_of(bt.params, reference)
-        if plan.bpv().total > b + EPS:  # the trial's recorded bpv was measured at another reference
+        bpv = plan.bpv()
+        if bpv.total > b + EPS:  # the trial's recorded bpv was measured at another reference
             raise KVPlanError(f"the best trial within {b:g} bpv (trial {bt.number}, recorded at "
-                              f"{bt.user_attrs['kvplan.bpv']:.6g} bpv) states {plan.bpv().total:.6g} bpv at this "
+                              f"{bt.user_attrs['kvplan.bpv']:.6g} bpv) states {bpv.total:.6g} bpv at this "
                               "search's reference: the study was measured at another reference; use another "
                               "--study-name")
         cal = dict(bt.user_attrs.get("kvplan.metrics", {}))
@@ -1271,7 +1268,6 @@ def _finalize(*, study, space, s, budgets, multi, granularity, seed, study_name,
             metrics["validation"] = _plain(val_metrics)
         if test_scorer is not None:
             metrics["test"] = _plain(_metrics_of(test_scorer(plan)))
-        bpv = plan.bpv()
         metrics["bpv"] = _plain(bpv.as_dict())
         metrics["search"]["plan_digest"] = plan.content_digest()  # what explain compares: edited since?
         name = f"{getattr(scorer, 'model_name', None) or geometry.model_type}-{granularity}-{b:g}bpv"

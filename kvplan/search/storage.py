@@ -354,6 +354,17 @@ def _alive(pid: int) -> bool:
 UNOWNED_GRACE_S = 30.0  # long enough for two appends to a journal on a slow NFS; such a trial holds no slot
 
 
+def fail_and_requeue(study: optuna.Study, trial, retry: RetryStale) -> bool:
+    """Fail the RUNNING ``trial`` and, an evaluation, put its plan back in the queue (``retry``); False
+    when it is no longer running (another worker finished or failed it first)."""
+    try:
+        study.tell(trial.number, state=TrialState.FAIL)
+    except (ValueError, RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
+        return False
+    retry(study, study._storage.get_trial(trial._trial_id))
+    return True
+
+
 def fail_orphaned_trials(study: optuna.Study, grace_s: float | None = None) -> int:
     """Fail the RUNNING trials whose worker is gone and queue evaluation trials again
     (:class:`RetryStale`); returns how many were failed.
@@ -390,10 +401,6 @@ def fail_orphaned_trials(study: optuna.Study, grace_s: float | None = None) -> i
         beat = t.user_attrs.get(BEAT)
         silent = beat_grace is not None and isinstance(beat, (int, float)) and time.time() - beat > beat_grace
         if unowned or dead or silent:
-            try:
-                study.tell(t.number, state=TrialState.FAIL)
-            except (ValueError, RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
-                continue  # another worker got there first
-            retry(study, study._storage.get_trial(t._trial_id))
+            fail_and_requeue(study, t, retry)
     after = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     return len(before - after)

@@ -205,9 +205,8 @@ def calibrate_streaming(score: Callable[[Plan], Mapping], space: SearchSpace, re
         return {}
     q = replace(opt.quantizer, stream_window=stream_window)
     prov = Provenance(produced_by="kvplan search profile")
-    run = ResumableMeasurements(score, len(STREAM_PARTS_KEYS), done={k: v for k, v in (done or {}).items()
-                                                                     if k in STREAM_PARTS_KEYS},
-                                save=save, save_every=1)  # each evaluation is a whole plan's: save each
+    # each evaluation is a whole plan's: saved one by one
+    run = ResumableMeasurements(score, len(STREAM_PARTS_KEYS), done, save, save_every=1)
     run.measure({name: space.plan_of_table(table, q, reference, provenance=prov)
                  for name, table in zip(STREAM_PARTS_KEYS, streaming_parts(opt.table))})
     out = run.finish()
