@@ -141,12 +141,16 @@ def run_once(study: optuna.Study, job: str, result_attr: str, work: Callable[[],
 
 def reserve(study: optuna.Study, trial, key: str, n_trials: int, done_keys: set[str]) -> str:
     """Take an evaluation slot under ``trial`` (RUNNING, held by this worker) for the plan ``key``:
-    ``"ok"``, ``"duplicate"`` (done, or in flight elsewhere) or ``"full"`` (the study's
-    ``n_trials`` are done or in flight). Writes ``kvplan.eval`` into ``trial`` first."""
+    ``"ok"``, ``"duplicate"`` (done, or in flight elsewhere), ``"full"`` (the study's ``n_trials``
+    are done or in flight) or ``"lost"`` (another worker failed ``trial`` as stale: a heartbeat late
+    on a loaded machine). Writes ``kvplan.eval`` into ``trial`` first."""
     if key in done_keys:
         return "duplicate"
     if trial.user_attrs.get("kvplan.eval") != key:
-        study._storage.set_trial_user_attr(trial._trial_id, "kvplan.eval", key)
+        try:
+            study._storage.set_trial_user_attr(trial._trial_id, "kvplan.eval", key)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return "lost"
     n_complete, others = 0, []
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)):
         if t.state == TrialState.COMPLETE:

@@ -403,3 +403,16 @@ def test_a_read_only_journal_file_is_one_line_before_any_work(tmp_path):
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == f"StorageError: --storage {path}: cannot open the journal file: Permission denied"
+
+
+def test_a_slot_failed_as_stale_by_another_worker_is_lost_not_an_error():
+    """On a loaded machine a worker's heartbeat can be late past the grace period: another worker fails its
+    trial, and reserving a slot under it raised Optuna's UpdateFinishedTrialError and killed the worker (seen
+    in CI, TestStorageContract.test_two_workers_share_one_study[sqlite])."""
+    from kvplan.search._workers import reserve
+
+    study = optuna.create_study()
+    trial = study.ask()
+    study.tell(trial, state=TrialState.FAIL)  # what the other worker's fail_orphaned_trials does
+    frozen = study._storage.get_trial(trial._trial_id)
+    assert reserve(study, frozen, "plan-key", n_trials=4, done_keys=set()) == "lost"
