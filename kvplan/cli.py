@@ -102,8 +102,13 @@ def _cmd_search(args) -> int:
                     **extra)
     if result.finalized_by is not None:
         by = result.finalized_by
-        print(f"study {result.study.study_name}: finalized by another worker (host {by.get('host')}, "
-              f"pid {by.get('pid')}, worker {by.get('worker')}), which wrote the plan files; its plans:")
+        who = f"(host {by.get('host')}, pid {by.get('pid')}, worker {by.get('worker')})"
+        if result.paths:  # this command's earlier run: its missing files were written again from the study
+            print(f"study {result.study.study_name}: measured and exported earlier {who}; its plan files were "
+                  "missing here and are written again as recorded; its plans:")
+        else:
+            print(f"study {result.study.study_name}: finalized by another worker {who}, which wrote the plan "
+                  "files; its plans:")
     for budget, plan in sorted(result.plans.items()):
         bpv = plan.bpv()
         test = plan.metrics.get("test") or {}

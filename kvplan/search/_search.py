@@ -70,6 +70,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 import optuna
+import yaml
 from optuna.trial import TrialState
 
 from ..errors import KVPlanError
@@ -135,7 +136,8 @@ class SearchResult:
     n_profile_evals: int
     elapsed_s: float
     paths: dict[str, str] = field(default_factory=dict)
-    finalized_by: dict | None = None  # the worker that exported the plans, when it was another one
+    finalized_by: dict | None = None  # who measured and exported the plans, when not this call (``paths``:
+    # set when this call wrote that export again at its ``out``, its files having gone missing)
 
     @property
     def n_study_trials(self) -> int:
@@ -1172,14 +1174,24 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
         res = holder["result"]
         plans, paths, curve, front = res["plans"], res["paths"], res["curve"], res["pareto"]
         finalized_by = None
-    else:  # another worker measured and exported the final plan(s)
+    else:  # measured and exported before (by another worker, or by this command run earlier)
         plans = {float(b): Plan.from_yaml(text) for b, text in final["plans"].items()}
         paths, finalized_by = {}, final.get("by")
-        curve, front = _curve_and_front(sorted(s.complete(), key=lambda t: t.number))
+        done = sorted(s.complete(), key=lambda t: t.number)
+        curve, front = _curve_and_front(done)
         by = finalized_by if isinstance(finalized_by, dict) else {}
-        say(f"study {study_name} was finalized by worker {describe(by.get('worker'))} (host "
-            f"{describe(by.get('host'))}, pid {describe(by.get('pid'))}); plan written there: "
-            f"{describe(final.get('paths', {}).get('plan'))}")
+        if _export_missing_here(final, out, owner):
+            # the same command run again after its plan was deleted or overwritten: write the recorded
+            # export again, as it was measured (no new measurement, the same run_id)
+            paths = _write_export(out, plans, done=done, run_id=final["run_id"], space=space, budgets=budgets,
+                                  multi=multi, desc=desc, prof=prof, study=study, curve=curve, front=front,
+                                  seed=seed, study_name=study_name, storage_label=label, finalized_by=by)
+            say(f"study {study_name} was already measured and exported (run {final['run_id']}); its files were "
+                f"missing at {paths['plan']} and are written again from the study")
+        else:
+            say(f"study {study_name} was finalized by worker {describe(by.get('worker'))} (host "
+                f"{describe(by.get('host'))}, pid {describe(by.get('pid'))}); plan written there: "
+                f"{describe(final.get('paths', {}).get('plan'))}")
     return SearchResult(plan=plans[min(plans)], plans=plans, study=study, space=space, budgets=budgets, profile=prof,
                         curve=curve, pareto=front, n_real_evals=s.n_evals, n_profile_evals=n_profile_evals,
                         elapsed_s=time.perf_counter() - t_start, paths=paths, finalized_by=finalized_by)
@@ -1276,21 +1288,66 @@ def _finalize(*, study, space, s, budgets, multi, granularity, seed, study_name,
 
     paths: dict[str, str] = {}
     if out is not None:
-        files: dict[str, str] = {}
-        p = output_paths(out, list(plans))
-        for b, plan in plans.items():
-            files[p[f"plan@{b:g}"]] = plan.to_yaml()
-            paths[f"plan@{b:g}"] = p[f"plan@{b:g}"]
-        files[p["trials"]] = history_text(space, done, run_id)
-        sidecar = {"run_id": run_id, "space": space.describe(), "budgets": budgets, "multi_objective": multi,
-                   "reference": desc["reference"], "profile": prof, "profile_by": study.user_attrs.get("kvplan.profile_by"),
-                   "curve": curve, "pareto": front, "seed": seed, "study_name": study_name, "storage": storage_label,
-                   "finalized_by": owner,
-                   "baselines": [{"number": t.number, "source": t.user_attrs["kvplan.source"], "kl": t.values[0],
-                                  "bpv": t.user_attrs["kvplan.bpv"]} for t in done
-                                 if str(t.user_attrs.get("kvplan.source", "")).startswith("baseline:")],
-                   "plans": {f"{b:g}": paths.get(f"plan@{b:g}") for b in plans}}
-        files[p["search"]] = json.dumps(_plain(sidecar), indent=1)
-        write_file_set(files)
-        paths.update(trials=p["trials"], search=p["search"], plan=paths[f"plan@{min(plans):g}"])
+        paths = _write_export(out, plans, done=done, run_id=run_id, space=space, budgets=budgets, multi=multi,
+                              desc=desc, prof=prof, study=study, curve=curve, front=front, seed=seed,
+                              study_name=study_name, storage_label=storage_label, finalized_by=owner)
     return {"plans": plans, "paths": paths, "curve": curve, "pareto": front, "run_id": run_id, "n_trials": len(done)}
+
+
+def _write_export(out, plans: Mapping[float, Plan], *, done, run_id, space, budgets, multi, desc, prof, study, curve,
+                  front, seed, study_name, storage_label, finalized_by) -> dict[str, str]:
+    """Write an export's files at ``out`` as one set (each budget's plan, ``.trials.csv``, ``.search.json``);
+    their paths by role."""
+    files: dict[str, str] = {}
+    paths: dict[str, str] = {}
+    p = output_paths(out, list(plans))
+    for b, plan in plans.items():
+        files[p[f"plan@{b:g}"]] = plan.to_yaml()
+        paths[f"plan@{b:g}"] = p[f"plan@{b:g}"]
+    files[p["trials"]] = history_text(space, done, run_id)
+    sidecar = {"run_id": run_id, "space": space.describe(), "budgets": budgets, "multi_objective": multi,
+               "reference": desc["reference"], "profile": prof, "profile_by": study.user_attrs.get("kvplan.profile_by"),
+               "curve": curve, "pareto": front, "seed": seed, "study_name": study_name, "storage": storage_label,
+               "finalized_by": finalized_by,
+               "baselines": [{"number": t.number, "source": t.user_attrs["kvplan.source"], "kl": t.values[0],
+                              "bpv": t.user_attrs["kvplan.bpv"]} for t in done
+                             if str(t.user_attrs.get("kvplan.source", "")).startswith("baseline:")],
+               "plans": {f"{b:g}": paths.get(f"plan@{b:g}") for b in plans}}
+    files[p["search"]] = json.dumps(_plain(sidecar), indent=1)
+    write_file_set(files)
+    paths.update(trials=p["trials"], search=p["search"], plan=paths[f"plan@{min(plans):g}"])
+    return paths
+
+
+def _export_missing_here(final: Mapping, out, owner: Mapping) -> bool:
+    """Whether a study's recorded export was written on this host at this call's ``out`` and its files are
+    no longer all there holding that export (deleted, or overwritten by another search)."""
+    recorded = final.get("paths") or {}
+    by = final.get("by") if isinstance(final.get("by"), Mapping) else {}
+    wanted = output_paths(out, [float(b) for b in final["plans"]]) if out is not None else {}
+    if not wanted or by.get("host") != owner.get("host") or any(recorded.get(k) != v for k, v in wanted.items()):
+        return False
+    for role, path in wanted.items():
+        if not os.path.isfile(path):
+            return True
+        if role.startswith("plan@"):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    run_id = yaml.safe_load(f)["metrics"]["search"]["run_id"]
+            except (OSError, yaml.YAMLError, TypeError, KeyError):
+                return True
+            if run_id != final.get("run_id"):
+                return True
+    return False
+    for role, path in recorded.items():
+        if not os.path.isfile(path):
+            return True
+        if role.startswith("plan@"):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    run = ((yaml.safe_load(f) or {}).get("metrics") or {}).get("search", {}).get("run_id")
+            except (OSError, yaml.YAMLError, AttributeError):
+                return True
+            if run != final.get("run_id"):
+                return True
+    return False

@@ -266,6 +266,25 @@ def test_an_interrupted_search_keeps_its_trials_beside_out_and_the_same_call_res
     assert r.study.study_name.startswith("kvplan-slot-3bpv-s0-")
 
 
+def test_a_finished_search_run_again_writes_its_missing_files_back_as_recorded(tmp_path):
+    """The same command run again after its plan was deleted (or overwritten by another search at the same
+    ``out``) found the study's export, measured nothing, and wrote no file, saying the plan was written there."""
+    out = tmp_path / "plan.yaml"
+    kw = dict(budget=3.0, n_trials=5, out=out, keep_trials=True, worker=0, **FAST)
+    first = search(scorer=SyntheticScorer(), **kw)
+    written = {f: (tmp_path / f).read_bytes() for f in ("plan.yaml", "plan.trials.csv", "plan.search.json")}
+    out.unlink()
+    sc = SyntheticScorer()
+    again = search(scorer=sc, **kw)
+    assert sc.calls == 0 and again.finalized_by is not None and again.paths["plan"] == str(out)
+    assert {f: (tmp_path / f).read_bytes() for f in written} == written  # the same export, the same run_id
+    search(scorer=SyntheticScorer(), **{**kw, "budget": 2.8})  # another setup's study overwrites the files
+    assert Plan.from_yaml(out).target_bpv == 2.8
+    search(scorer=SyntheticScorer(), **kw)
+    assert {f: (tmp_path / f).read_bytes() for f in written} == written
+    assert first.plan.to_yaml() == Plan.from_yaml(out).to_yaml()
+
+
 def test_without_keep_trials_or_out_no_journal_is_written(tmp_path):
     out = tmp_path / "plan.yaml"
     search(budget=3.0, n_trials=3, scorer=SyntheticScorer(), out=out, **FAST)
