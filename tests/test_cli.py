@@ -336,9 +336,10 @@ def test_search_keeps_its_study_in_a_journal_beside_out_unless_told_not_to(monke
     assert seen[-1]["storage"] is not None and "kept in" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("paths,says", [({}, "finalized by another worker (host h, pid 7, worker None), which wrote"),
-                                         ({"plan": "p.yaml"}, "its plan files were missing here and are written again")])
-def test_search_says_who_exported_a_finished_study_and_whether_this_run_wrote_it_again(monkeypatch, capsys, paths, says):
+@pytest.mark.parametrize("paths,says", [
+    ({}, "finalized by another worker (host h, pid 7, worker None), which wrote"),
+    ({"plan": "p.yaml"}, "its plan files were missing here and are written again")])
+def test_search_says_who_exported_a_finished_study_and_whether_it_was_written_again(monkeypatch, capsys, paths, says):
     """A finished study's export reused: written by another worker, or this command's own earlier run whose
     missing files were written again here (it was reported as another worker's, whose files are elsewhere)."""
     import types
