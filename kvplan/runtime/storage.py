@@ -399,9 +399,12 @@ class Residual:
             self.fresh = self.fresh[:, :, n - m :].clone()
 
     def drop_newest(self, n: int) -> None:
-        """Forget the ``n`` newest tokens (``Cache.crop``)."""
+        """Forget the ``n`` newest tokens (``Cache.crop``); copies what is left so the dropped bytes are
+        released."""
+        if n <= 0:
+            return
         f = self.fresh.shape[-2]
-        self.fresh = self.fresh[:, :, : max(f - n, 0)]
+        self.fresh = self.fresh[:, :, : max(f - n, 0)].clone()
         if n > f:
             m = self.sealed.length
             self.sealed = None if n - f >= m else self._copied(self.sealed.token_range(0, m - (n - f)))

@@ -79,3 +79,19 @@ def test_appends_grow_in_place_and_count_stored_bytes(spec):
     block.map_tensors(lambda t: t[[1, 0]])  # replaced tensors: the next append starts a new buffer
     block.append(PackedBlock.encode(x[:, :, :n], (0, 1, 2), bits, axis, 32, block.length))
     assert torch.equal(block.decode(torch.float32)[:, :, : whole.length], whole.decode(torch.float32)[[1, 0]])
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_a_residual_cropped_keeps_no_bytes_of_the_dropped_tokens(bits):
+    """``drop_newest`` (``Cache.crop``) kept the uncoded tokens as a view of the longer tensor: the dropped
+    tokens' bytes stayed alive, uncounted, until the next write."""
+    from kvplan.runtime.storage import Residual
+
+    x = torch.randn(1, 2, 40, 64)
+    r = Residual(bits, 32, x[:, :, :0].clone())
+    r.append(x[:, :, :24])
+    r.seal()
+    r.append(x[:, :, 24:])
+    r.drop_newest(10)
+    assert r.length == 30 and torch.equal(r.read()[:, :, 24:], x[:, :, 24:30])
+    assert r.fresh.untyped_storage().nbytes() == r.fresh.numel() * r.fresh.element_size()
