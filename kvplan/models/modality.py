@@ -74,8 +74,23 @@ class Labelling:
         """The labels this labelling can give prompts of a model with ``config``."""
         return self._modalities
 
-    def __call__(self, input_ids, config) -> list[list[str]]:
-        """Labels ``[B][T]`` of ``input_ids [B, T]``, checked (shape, names)."""
+    def __call__(self, input_ids, config, attention_mask=None) -> list[list[str]]:
+        """Labels ``[B][T]`` of ``input_ids [B, T]``, checked (shape, names). With an ``attention_mask``
+        that pads some row, each row is labelled on its own tokens alone, as the search labels a prompt
+        (a labelling by position counts from the row's first token, not from its padding); padded
+        positions get ``"text"``."""
+        if attention_mask is not None:
+            import torch
+
+            keep = torch.as_tensor(attention_mask).to(torch.bool)  # [B, T]
+            if not bool(keep.all()):
+                rows = [[TEXT] * keep.shape[1] for _ in range(keep.shape[0])]
+                for b in range(keep.shape[0]):
+                    where = keep[b].nonzero().flatten().tolist()
+                    if where:
+                        for t, lab in zip(where, self(input_ids[b : b + 1, keep[b]], config)[0]):
+                            rows[b][t] = lab
+                return rows
         rows = self.fn(input_ids, config)
         B, T = input_ids.shape
         rows = [list(r) for r in rows]
@@ -105,8 +120,9 @@ class _TokenIdLabelling(Labelling):
     def modalities(self, config) -> tuple[str, ...]:
         return (TEXT, VISUAL) if visual_token_ids(config) else (TEXT,)
 
-    def __call__(self, input_ids, config) -> list[list[str]]:
-        return labels_from_input_ids(input_ids, config)  # correct by construction: no check per token
+    def __call__(self, input_ids, config, attention_mask=None) -> list[list[str]]:
+        # correct by construction (no check per token); by token id alone, so padding moves nothing
+        return labels_from_input_ids(input_ids, config)
 
 
 TOKEN_IDS = _TokenIdLabelling()

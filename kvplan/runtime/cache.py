@@ -934,7 +934,8 @@ def resolve_batch_labels(rows: Sequence[Sequence[str]], attention_mask=None) -> 
         if len(seen) > 1:
             raise CacheError(
                 f"batch rows disagree on the modality of position {t} ({sorted(seen)}); kvplan stores one modality "
-                "per position across a batch: run prompts with different image positions as separate batches"
+                "per position across a batch: run prompts whose labels sit at different positions (images, or a "
+                "labelling by position under different padding) as separate batches"
             )
         out.append(seen.pop() if seen else TEXT)
     return out

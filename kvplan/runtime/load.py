@@ -104,7 +104,7 @@ def make_cache(model, plan, input_ids=None, attention_mask=None, labelling: Labe
     cache.align_to_padding(attention_mask)  # a left-padded batch: each row's sinks and key frame as unpadded
     if input_ids is not None:
         check_modalities(resolved, model, labelling=labelling)
-        cache.assign_labels(labelling(torch.as_tensor(input_ids), model.config), attention_mask)
+        cache.assign_labels(labelling(torch.as_tensor(input_ids), model.config, attention_mask), attention_mask)
     return cache
 
 
@@ -321,7 +321,8 @@ def _label_new_prompt(model, cache: KVPlanCache, input_ids, attention_mask) -> N
         return
     input_ids = torch.as_tensor(input_ids)
     labelling = labelling_in_force(model, None)
-    rows = [row[start:] for row in labelling(input_ids, model.config)]  # [B][T - start]
+    check_modalities(cache.plan, model, labelling=labelling)  # as make_cache: the plan's own labelling
+    rows = [row[start:] for row in labelling(input_ids, model.config, attention_mask)]  # [B][T - start]
     cache.assign_labels(rows, None if attention_mask is None else torch.as_tensor(attention_mask)[:, start:])
 
 

@@ -117,3 +117,69 @@ def test_plan_file_records_the_labelling_by_name(tmp_path):
     bad.write_text(text.replace("labelling: my.code", "labelling: 3"))
     with pytest.raises(PlanError, match=r"labelling: must be a non-empty string"):
         kvplan.Plan.from_yaml(bad)
+
+
+def _first_tokens_labelling(n):
+    def first_tokens(input_ids, config):
+        return [["sys" if t < n else "text" for t in range(len(row))] for row in input_ids.tolist()]
+
+    return Labelling(first_tokens, modalities=("text", "sys"), name=f"tests.first{n}")
+
+
+def _sys_plan(model, name):
+    """Text at 2 bits, ``sys`` tokens at 8, every token committed in groups of 32 (no residual window)."""
+    import numpy as np
+
+    from kvplan import Geometry, Plan
+
+    g = Geometry.of(model)
+    table = np.full((g.num_layers, g.num_kv_heads, 2, 2), 2, dtype=np.int64)
+    table[..., 1] = 8
+    plan = Plan.from_table(table, g, modalities=("text", "sys")).replace(labelling=name)
+    return plan.replace(quantizer=plan.quantizer.__class__(**{**plan.quantizer.__dict__, "group_size": 32,
+                                                              "residual_length": 0}))
+
+
+def test_a_labelling_by_position_labels_each_padded_row_as_its_prompt_alone():
+    """The labelling was given the padded ids without the mask: "the first 16 tokens" fell on the padding of
+    a left-padded row, its own first tokens were stored at the text bits, silently (the search labels each
+    prompt alone, unpadded)."""
+    from tests.tiny_models import tiny_llama
+
+    lab = _first_tokens_labelling(16)
+    prompt = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.cat([torch.zeros(1, 24, dtype=torch.long), torch.ones(1, 40, dtype=torch.long)], 1)
+    padded = torch.cat([torch.zeros(1, 24, dtype=torch.long), prompt], 1)
+    assert lab(padded, None, mask)[0] == ["text"] * 24 + lab(prompt, None)[0]
+    model = tiny_llama()
+    kvplan.load(model, _sys_plan(model, lab.name), labelling=lab, attention="dequantize")
+    try:
+        out = model.generate(input_ids=padded, attention_mask=mask, max_new_tokens=1, do_sample=False,
+                             return_dict_in_generate=True, pad_token_id=0)
+        bits = out.cache.token_bits(0, "k")[0]
+        assert bits[24:24 + 32] == [8] * 16 + [2] * 16  # the prompt's committed tokens, as searched
+        # rows padded differently disagree on what each position is: one line, not a silent mislabelling
+        two = torch.cat([torch.randint(3, 250, (1, 64)), padded])
+        with pytest.raises(kvplan.errors.CacheError, match="batch rows disagree on the modality of position 24"):
+            model.generate(input_ids=two, attention_mask=torch.cat([torch.ones(1, 64, dtype=torch.long), mask]),
+                           max_new_tokens=1, do_sample=False, pad_token_id=0)
+    finally:
+        kvplan.unload(model)
+
+
+def test_a_cache_passed_to_generate_is_refused_under_another_labelling_than_its_plans():
+    """make_cache refused a plan searched with another labelling, but a KVPlanCache passed to generate was
+    labelled by the model's labelling unchecked: the plan's ``sys`` tokens were stored at the text bits."""
+    from tests.tiny_models import tiny_llama
+
+    model = tiny_llama()
+    cache = kvplan.KVPlanCache(_sys_plan(model, "tests.first32"), model)
+    kvplan.load(model, "int4", attention="dequantize")  # the default labelling: token ids
+    try:
+        with pytest.raises(PlanError, match="searched with the token labelling 'tests.first32', but this model "
+                                            "labels prompts with 'token-ids'"):
+            model.generate(input_ids=torch.randint(3, 250, (1, 64)), past_key_values=cache, max_new_tokens=1,
+                           do_sample=False)
+        assert cache.get_seq_length() == 0
+    finally:
+        kvplan.unload(model)
