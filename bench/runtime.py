@@ -564,7 +564,7 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096], help="decode history lengths")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--decode-cells", type=parse_cells, default=None,
-                   help="decode cells TxB, comma separated (instead of the --contexts x --batches grid)")
+                   help="decode cells TxB, comma separated (instead of the --contexts x --batches grid; \"\": none)")
     p.add_argument("--prefill-cells", type=parse_cells, default="1024x1,4096x1",
                    help="prefill cells TxB, comma separated (each runs once per config and repeat)")
     p.add_argument("--prefill-repeats", type=int, default=2)
@@ -620,7 +620,8 @@ def main(argv=None) -> int:
         import kvplan
 
         kvplan.load(model, next(iter(plans.values())), attention=args.kvplan_attention)
-    decode_cells = args.decode_cells or [(T, B) for T in args.contexts for B in args.batches]
+    decode_cells = (args.decode_cells if args.decode_cells is not None  # "": no decode (a prefill-only run)
+                    else [(T, B) for T in args.contexts for B in args.batches])
     max_t = max([t for t, _ in decode_cells] + [t for t, _ in args.prefill_cells])
     ids_all = text_ids(tok, max_t)
     meta = {"commit": commit(),
