@@ -14,10 +14,10 @@ import numpy as np
 from ..errors import PlanError, describe
 from ..kernels.qtypes import STREAMED  # noqa: F401 (re-exported: plans name it)
 
-SCHEMA_VERSION = 8  # 2: slot formats (quantizer.key_scaling / value_scaling / codebooks); 3: quantizer.residual_bits;
+SCHEMA_VERSION = 9  # 2: slot formats (quantizer.key_scaling / value_scaling / codebooks); 3: quantizer.residual_bits;
 #                      4: quantizer.recent_length; 5: quantizer.sink_bits; 6: feedback_metric;
 #                      7: quantizer.heavy_length; 8: streamed KV heads (bits 0, quantizer.stream_window);
-#                      1 to 7 are read too
+#                      9: feedback_metric.frame; 1 to 8 are read too
 KINDS = ("k", "v")
 DEFAULT_MODALITY = "text"
 # format code of a key slot stored at ``b`` bits with the key correction: ``b + CORRECTED``

@@ -6,11 +6,13 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+from typing import Mapping
 
 import numpy as np
 
 from ..errors import PlanError
 from ._checks import check_choice, check_int, check_keys
+from ._fields import ROTATIONS
 
 
 class _PlanArray:
@@ -115,6 +117,43 @@ class FeedbackMetric(_PlanArray):
 
     KEY = "feedback_metric"
     AXES = "[num_layers, 2, num_kv_heads, head_dim, head_dim]"
+    FRAME_KEYS = ("rotation", "key_pre_rope")  # the quantizer settings the stored frame is made of
+
+    def __init__(self, array, frame=None):
+        """``frame``: ``{"rotation": ..., "key_pre_rope": ...}``, the quantizer settings whose stored frame
+        the metrics were computed in (schema 9; ``None``: not recorded, as in older files)."""
+        super().__init__(array)
+        if frame is None and isinstance(array, FeedbackMetric):
+            frame = array.frame
+        if frame is not None:
+            check_keys(frame, f"{self.KEY}.frame", self.FRAME_KEYS)
+            check_choice(frame["rotation"], f"{self.KEY}.frame.rotation", ROTATIONS)
+            if not isinstance(frame["key_pre_rope"], bool):
+                raise PlanError(f"{self.KEY}.frame.key_pre_rope", "must be true or false", frame["key_pre_rope"])
+            frame = {k: frame[k] for k in self.FRAME_KEYS}
+        self.frame = frame
+
+    def __eq__(self, other) -> bool:
+        return super().__eq__(other) and self.frame == other.frame
+
+    __hash__ = None
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        if self.frame is not None:
+            d["frame"] = dict(self.frame)
+        return d
+
+    @classmethod
+    def from_dict(cls, d, expected_shape: tuple[int, ...] | None = None, with_frame: bool = True):
+        """As :meth:`_PlanArray.from_dict`, with the optional ``frame`` (``with_frame``: the file's schema
+        version has it)."""
+        if isinstance(d, Mapping) and "frame" in d:
+            if not with_frame:
+                raise PlanError(f"{cls.KEY}.frame", "needs schema_version 9", show_value=False)
+            rest = {k: v for k, v in d.items() if k != "frame"}
+            return cls(super().from_dict(rest, expected_shape), frame=d["frame"])
+        return super().from_dict(d, expected_shape)
 
     def _check(self, a: np.ndarray) -> None:
         if a.shape[1] != 2 or a.shape[-1] != a.shape[-2]:

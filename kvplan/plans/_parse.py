@@ -84,7 +84,8 @@ def plan_fields(d) -> dict:
         if version < 6:
             raise PlanError("feedback_metric", f"needs schema_version 6 (the file says {version})", show_value=False)
         feedback_metric = FeedbackMetric.from_dict(d["feedback_metric"], expected_shape=(
-            geometry.num_layers, 2, geometry.num_kv_heads, geometry.head_dim, geometry.head_dim))
+            geometry.num_layers, 2, geometry.num_kv_heads, geometry.head_dim, geometry.head_dim),
+            with_frame=version >= 9)
     key_basis = None
     if "key_basis" in d:
         want = (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, rank) if rank else None
@@ -118,8 +119,10 @@ def _schema_version(ver) -> int:
     ``quantizer.recent_length``; older files keep no copies of committed tokens), 5 (adds
     ``quantizer.sink_bits``; older files hold their sink positions as written), 6 (adds
     ``feedback_metric``; older files' codes are rounded to the nearest level), 7 (adds
-    ``quantizer.heavy_length``; older files keep no copies of heavy hitters) or 8 (adds streamed KV
-    heads: bits 0 and ``quantizer.stream_window``). Writers always write the newest version."""
+    ``quantizer.heavy_length``; older files keep no copies of heavy hitters), 8 (adds streamed KV
+    heads: bits 0 and ``quantizer.stream_window``) or 9 (adds ``feedback_metric.frame``, the rotation
+    settings its metrics were computed for; older files' metrics are taken as the plan's). Writers
+    always write the newest version."""
     if not is_int(ver):
         raise PlanError("schema_version", "must be an integer", ver)
     if ver > SCHEMA_VERSION:

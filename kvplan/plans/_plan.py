@@ -448,6 +448,12 @@ def _validate_semantics(p: Plan) -> None:
         if p.feedback_metric.shape != want:
             raise PlanError("feedback_metric.shape", f"must be {FeedbackMetric.AXES} = {list(want)}",
                             list(p.feedback_metric.shape))
+        frame = p.feedback_metric.frame
+        settings = {k: getattr(p.quantizer, k) for k in FeedbackMetric.FRAME_KEYS}
+        if frame is not None and frame != settings:
+            raise PlanError("feedback_metric.frame", f"the metrics were computed in the stored frame of {frame}, but "
+                            f"the quantizer says {settings}: they would steer the codes in another frame (worse "
+                            "than nearest-level codes); search again, or delete feedback_metric", frame)
     _check_streamed(p)
     if p.quantizer.rotation == "hadamard" and not hadamard_fits(g.head_dim):
         raise PlanError("quantizer.rotation", f"'hadamard' needs a power-of-two head_dim; the model's is {g.head_dim}",

@@ -151,7 +151,8 @@ class SearchSpace:
         # key correction: one basis [L, H_kv, D, r] for every plan of the space (None: off)
         self.key_basis = None if key_basis is None else KeyBasis(key_basis)
         # error-feedback metrics [L, 2, H_kv, D, D] every plan of the space carries (None: off)
-        self.feedback_metric = None if feedback_metric is None else FeedbackMetric(feedback_metric)
+        self.feedback_metric = None if feedback_metric is None else FeedbackMetric(
+            feedback_metric, frame={"rotation": rotation, "key_pre_rope": rope_inv_freq is not None})
         self.key_correction = {} if key_basis is None else {
             "key_correction_rank": self.key_basis.shape[-1], "key_correction_bits": key_correction_bits}
         # rotations (kvplan.kernels.rotation): fixed for every plan of the space; keys in the

@@ -282,6 +282,43 @@ def test_a_bad_feedback_metric_names_its_key(edit, msg, tmp_path):
         Plan.from_yaml(path)
 
 
+def test_a_feedback_metric_records_its_frame_and_a_plan_edited_to_another_rotation_is_refused(tmp_path):
+    """The metrics live in the stored frame (Hadamard, pre-RoPE): a plan edited by hand to ``rotation: none``
+    kept them, loaded and validated, and its encoder steered codes by another frame's metric (worse than
+    nearest-level codes). Files before schema 9 hold no frame and are read as before."""
+    from kvplan.plans import FeedbackMetric
+
+    base = uniform_plan(GEOM, 2, 2, group_size=32, residual_length=0)
+    base = base.replace(quantizer=dataclasses.replace(base.quantizer, rotation="hadamard"))
+    plan = base.replace(feedback_metric=FeedbackMetric(_metric(GEOM), frame={"rotation": "hadamard",
+                                                                             "key_pre_rope": False}))
+    path = tmp_path / "p.yaml"
+    plan.to_yaml(path)
+    text = path.read_text()
+    assert Plan.from_yaml(path) == plan and Plan.from_yaml(path).feedback_metric.frame["rotation"] == "hadamard"
+    path.write_text(text.replace("  rotation: hadamard\n", "  rotation: none\n", 1))  # the quantizer's, first
+    assert yaml.safe_load(path.read_text())["quantizer"]["rotation"] == "none"
+    with pytest.raises(PlanError, match=r"feedback_metric\.frame: the metrics were computed in the stored frame of "
+                                        r"\{'rotation': 'hadamard', 'key_pre_rope': False\}, but the quantizer says "
+                                        r"\{'rotation': 'none', 'key_pre_rope': False\}"):
+        Plan.from_yaml(path)
+    with pytest.raises(PlanError, match="feedback_metric.frame"):  # the same edit through the API
+        plan.replace(quantizer=dataclasses.replace(plan.quantizer, rotation="none"))
+    doc = yaml.safe_load(text)
+    doc["schema_version"] = 8
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=r"feedback_metric\.frame: needs schema_version 9"):
+        Plan.from_yaml(path)
+    del doc["feedback_metric"]["frame"]
+    path.write_text(yaml.safe_dump(doc))
+    assert Plan.from_yaml(path).feedback_metric.frame is None  # an older file: its metric taken as the plan's
+    doc["feedback_metric"]["frame"] = {"rotation": "hadamard", "key_pre_rope": "yes"}
+    doc["schema_version"] = 9
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(PlanError, match=r"feedback_metric\.frame\.key_pre_rope: must be true or false"):
+        Plan.from_yaml(path)
+
+
 def test_a_metric_that_is_not_positive_definite_is_refused_naming_its_slot():
     m = _metric(GEOM)
     m[1, 1, 0] = -m[1, 1, 0]
@@ -296,7 +333,7 @@ def test_heavy_length_round_trips_and_a_version_6_file_with_it_is_refused(tmp_pa
     path = tmp_path / "p.yaml"
     plan.to_yaml(path)
     doc = yaml.safe_load(path.read_text())
-    assert doc["schema_version"] == SCHEMA_VERSION == 8 and doc["quantizer"]["heavy_length"] == 4
+    assert doc["schema_version"] == SCHEMA_VERSION == 9 and doc["quantizer"]["heavy_length"] == 4
     back = Plan.from_yaml(path)
     assert back.quantizer == plan.quantizer and back.bpv() == plan.bpv() and back.bpv().residual > base.bpv().residual
     assert "heavy_length" not in base.to_dict()["quantizer"]  # 0: the default, not written

@@ -162,6 +162,8 @@ def test_error_feedback_metric_is_learned_exported_and_can_be_turned_off(model, 
     on = search(budget="2.6bpv", n_trials=3, scorer=sc, out=out, profile_head_units=0, **FAST)
     plan = Plan.from_yaml(out)
     assert plan.feedback_metric is not None and plan.feedback_metric == on.plan.feedback_metric
+    q = plan.quantizer
+    assert plan.feedback_metric.frame == {"rotation": q.rotation, "key_pre_rope": q.key_pre_rope}
     assert all(p.feedback_metric == plan.feedback_metric for p in sc.scored)
     want = feedback_metric(query_second_moments(model, sc.calibration_sequences()), output_projections(model, 6),
                            lambda layer: plan_rotations(plan, "cpu", layer), REF.context_len)
