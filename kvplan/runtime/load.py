@@ -346,8 +346,15 @@ def _install_attention(model, kernel, observe: bool = False) -> None:
         return
     from . import fused
 
-    model._kvplan_previous_attention = text_config(model.config)._attn_implementation
-    fused.set_text_attention(model, fused.register())
+    previous = text_config(model.config)._attn_implementation
+    name = fused.register()
+    fused.set_text_attention(model, name)
+    if text_config(model.config)._attn_implementation != name:  # transformers only logs that it cannot
+        raise PlanError("attention", f"{type(model).__name__} cannot switch its attention implementation (it keeps "
+                        f"{previous!r}), so kvplan's attention cannot run in it: use attention='dequantize' (the "
+                        "model's own attention over the dequantized cache), with a plan that neither streams KV "
+                        "heads nor keeps heavy-hitter copies", show_value=False)
+    model._kvplan_previous_attention = previous
     model._kvplan_attention_kernel = kernel
 
 

@@ -267,3 +267,25 @@ def test_a_conversations_cache_refuses_to_be_read_by_another_attention_than_it_w
     more = model.generate(input_ids=out.sequences, past_key_values=out.cache, max_new_tokens=2, do_sample=False)
     assert more.shape[1] == out.sequences.shape[1] + 2
     kvplan.unload(model)
+
+
+def test_a_model_that_cannot_switch_its_attention_is_refused_at_load_not_at_generate():
+    """Bloom keeps its attention implementation (transformers only logs that it cannot switch it): kvplan.load
+    on the kernel route returned normally, and the first generate failed with a CacheError saying the model
+    had been unloaded or reloaded since the cache was made."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.BloomConfig(
+        vocab_size=256, hidden_size=64, n_layer=2, n_head=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(0))
+    plain = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+    with pytest.raises(kvplan.PlanError, match="attention: BloomForCausalLM cannot switch its attention implementation "
+                                               r"\(it keeps 'eager'\).*use attention='dequantize'"):
+        kvplan.load(model, "int4")
+    assert getattr(model, "kvplan_plan", None) is None and "_kvplan_previous_attention" not in model.__dict__
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=3, do_sample=False), plain)
+    kvplan.load(model, "int4", attention="dequantize")
+    try:
+        assert model.generate(input_ids=ids, max_new_tokens=3, do_sample=False).shape == plain.shape
+    finally:
+        kvplan.unload(model)
