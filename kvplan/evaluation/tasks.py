@@ -298,6 +298,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
         ids[rec["id"]] = i
         rec["_base"] = os.path.dirname(os.path.abspath(path))
         rec["_line"] = i
+        rec["_path"] = os.fspath(path)
         rows.append(rec)
     if not rows:
         raise TaskError(f"{path}: the task file holds no records")
@@ -327,11 +328,16 @@ def _media_path(path: str, base: str) -> str:
     return path if os.path.isabs(path) else os.path.join(base, path)
 
 
-def _load_image(path: str, rec: dict[str, Any]):
+def _where(rec: dict[str, Any], field: str) -> str:
+    """``<task file>:<line>: field '<field>'``: where a record's error is, as the checks before loading say."""
+    return f"{rec.get('_path', 'task')}:{rec.get('_line', '?')}: field '{field}'"
+
+
+def _load_image(path: str, rec: dict[str, Any], field: str = "images"):
     from PIL import Image, UnidentifiedImageError
 
     full = _media_path(path, rec.get("_base", "."))
-    where = f"record {rec.get('id')} (line {rec.get('_line', '?')})"
+    where = _where(rec, field)
     try:
         return Image.open(full).convert("RGB")
     except FileNotFoundError:
@@ -357,7 +363,6 @@ def _media_prompt(rec: dict[str, Any], processor, images: list, frames: list, co
     runs of visual tokens, then the history) and media inputs."""
     import numpy as np
 
-    where = f"record {rec.get('id')} (line {rec.get('_line', '?')})"
     start, end = _vision_brackets(config, processor)
     text, media = "", {}
     for kind, items, token_attr in (("images", images, "image_token"), ("video", frames, "video_token")):
@@ -365,7 +370,7 @@ def _media_prompt(rec: dict[str, Any], processor, images: list, frames: list, co
             continue
         token = getattr(processor, token_attr, None)
         if token is None:
-            raise TaskError(f"{where}: has {kind} but the model's processor has no {token_attr.replace('_', ' ')} "
+            raise TaskError(f"{_where(rec, kind)}: the model's processor has no {token_attr.replace('_', ' ')} "
                             "(is this a vision-language model?)")
         token = start + token + end
         if kind == "images":
@@ -374,7 +379,7 @@ def _media_prompt(rec: dict[str, Any], processor, images: list, frames: list, co
         else:
             sizes = sorted({f.size for f in items})
             if len(sizes) > 1:
-                raise TaskError(f"{where}: the video's frames must share one size, got {sizes}")
+                raise TaskError(f"{_where(rec, 'video')}: the clip's frames must share one size, got {sizes}")
             text += token + "\n"
             media["videos"] = [np.stack([np.asarray(f) for f in items])]  # one clip [T, H, W, 3]
     return text + rec["history"], media
@@ -385,7 +390,7 @@ def encode_user_record(rec: dict[str, Any], model, processor, labelling: Labelli
     history token is labelled as the runtime labels it (image/video tokens ``visual``)."""
     tok = _tokenizer_of(processor)
     images = [_load_image(p, rec) for p in rec.get("images") or []]
-    frames = [_load_image(p, rec) for p in rec.get("video") or []]
+    frames = [_load_image(p, rec, "video") for p in rec.get("video") or []]
     if images or frames:
         text, media = _media_prompt(rec, processor, images, frames, model.config)
         enc = processor(text=[text], return_tensors="pt", **media)

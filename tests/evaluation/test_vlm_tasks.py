@@ -180,3 +180,32 @@ def test_a_studys_data_hash_counts_the_pixels_of_its_images():
 
     assert samples_digest(with_image(pixels)) != samples_digest(with_image(1 - pixels)) != samples_digest(text)
     assert samples_digest(with_image(pixels)) == samples_digest(with_image(pixels.clone()))
+
+
+def test_a_record_whose_media_fail_once_read_names_the_task_file_line_and_field(tmp_path):
+    """An image that does not decode, a clip of frames of two sizes, images for a model without an image
+    token: these show only once the media are read, and said "record 4 (line 5)", naming neither the task
+    file nor the field (the checks before any model loads say ``file:line: field '...'``)."""
+    import types
+
+    from PIL import Image
+
+    from kvplan.evaluation.tasks import TaskError, encode_user_record, read_jsonl
+
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    Image.new("RGB", (16, 8)).save(tmp_path / "b.png")
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"history": "h", "question": "q", "images": ["broken.png"]},
+        {"history": "h", "question": "q", "video": ["a.png", "b.png"]},
+        {"history": "h", "question": "q", "images": ["a.png"]}]))
+    broken, clip, image = read_jsonl(task)
+    model = types.SimpleNamespace(config=types.SimpleNamespace())
+    processor = types.SimpleNamespace(video_token="<video>")  # no image token
+    with pytest.raises(TaskError, match=rf"^{task}:1: field 'images': cannot read image {tmp_path / 'broken.png'}"):
+        encode_user_record(broken, model, processor)
+    with pytest.raises(TaskError, match=rf"^{task}:2: field 'video': the clip's frames must share one size"):
+        encode_user_record(clip, model, processor)
+    with pytest.raises(TaskError, match=rf"^{task}:3: field 'images': the model's processor has no image token"):
+        encode_user_record(image, model, processor)
