@@ -295,10 +295,26 @@ def test_text_report_names_the_slot_formats(tmp_path):
 
 
 @pytest.mark.parametrize("recorded", ["digest", "bpv only"])
-def test_a_plan_edited_since_its_search_shows_its_metrics_as_another_plans(searched, tmp_path, recorded, capsys):
+def test_a_plan_edited_since_its_search_shows_its_metrics_as_another_plans(searched, tmp_path, recorded, capsys,
+                                                                        monkeypatch):
     """A hand-edited plan showed the searched plan's KL as "this plan on test" beside its new bpv, with no
-    word that the numbers were measured on other bits."""
+    word that the numbers were measured on other bits (the text; then the Pareto figure and the HTML cards)."""
     from kvplan.cli import main
+    from kvplan.explain import _figures, _html
+    from kvplan.explain._report import report
+
+    def this_plan_points(path):
+        """The Pareto figure's "this plan" legend entries and the HTML's KL cards of ``path``'s report."""
+        import shutil
+
+        for side in (".trials.csv", ".search.json"):  # the search's history beside the copy
+            shutil.copy(str(searched)[: -len(".yaml")] + side, str(path)[: -len(".yaml")] + side)
+        labels = []
+        monkeypatch.setattr(_figures, "_png", lambda fig: labels.extend(
+            lab for ax in fig.axes for lab in ax.get_legend_handles_labels()[1]) or b"")
+        rep = report(str(path))
+        _figures.pareto_figure(rep)
+        return [lab for lab in labels if lab.startswith("this plan")], [c for c in _html._cards(rep) if "KL" in c[1]]
 
     plan = Plan.from_yaml(searched)
     assert plan.metrics["search"]["plan_digest"] == plan.content_digest() and plan.measurement_notes() == []
@@ -308,6 +324,8 @@ def test_a_plan_edited_since_its_search_shows_its_metrics_as_another_plans(searc
     unedited = tmp_path / "unedited.yaml"
     plan.to_yaml(unedited)
     assert "edited since" not in explain(unedited) and "before it was edited" not in explain(unedited)
+    points, cards = this_plan_points(unedited)
+    assert any("test" in p for p in points) and any("test" in label for _, label in cards)
     table = plan.table()
     table[0] = 8  # the user raises layer 0 to 8 bits
     edited = plan.with_table(table).replace(target_bpv=None)
@@ -317,6 +335,7 @@ def test_a_plan_edited_since_its_search_shows_its_metrics_as_another_plans(searc
     txt = explain(tmp_path / "edited.yaml")
     assert "measured on test (held-out) (the plan as searched, before it was edited): KL" in txt
     assert "this plan on test" not in txt and f"warning: plan {note}" in txt
+    assert this_plan_points(tmp_path / "edited.yaml") == ([], [])
     assert main(["validate", str(tmp_path / "edited.yaml")]) == 0
     assert f"warning: {note}" in capsys.readouterr().err
 

@@ -17,6 +17,7 @@ import tempfile
 import numpy as np
 
 from ..plans import KINDS
+from ._sidecars import this_plans_measurements
 
 FIGURE_NAMES = ("allocation", "bpv_context", "pareto", "importance")
 # one fixed colour per format, so two plans' figures compare at a glance
@@ -183,7 +184,7 @@ def pareto_figure(rep: dict) -> bytes:
     bpv = rep["budget"]["bpv"]["total"]
     marks = {"calibration": ("*", "gold"), "validation": ("s", "#2ca02c"), "test": ("D", "#1f77b4"),
              "heldout": ("D", "#1f77b4")}
-    for d in rep.get("measured", []):
+    for d in this_plans_measurements(rep):  # an edited plan's were measured on the plan before the edit
         if d.get("kl") is None:
             continue
         lo, hi = d.get("kl_ci95_lo"), d.get("kl_ci95_hi")

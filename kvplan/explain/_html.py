@@ -7,6 +7,7 @@ import base64
 import html
 
 from ._figures import full_precision
+from ._sidecars import this_plans_measurements
 from ._text import render_text
 
 CSS = """
@@ -45,7 +46,7 @@ def _cards(rep: dict) -> list[tuple[str, str]]:
     cards = [(f"{b['bpv']['total']:.3f} bpv", f"honest, at {b['reference']['context_len']} tokens")]
     if b["target_bpv"] is not None:
         cards.append((f"{b['target_bpv']:g} bpv", "budget"))
-    for d in rep.get("measured", []):
+    for d in this_plans_measurements(rep):
         if d.get("kl") is not None:
             cards.append((f"{d['kl']:.4g}", f"mean KL, {d['label']}"))
     m = rep["memory"][-1]

@@ -34,6 +34,12 @@ QUANTIZER_COLUMNS = (*INT_QUANTIZER_COLUMNS, "key_axis", "value_axis")
 AXES = ("channel", "token")
 
 
+def this_plans_measurements(rep: dict) -> list[dict]:
+    """The report's measurements that are this plan's: none when the plan was edited since it was
+    measured (they belong to the plan as searched; the text says so where it lists them)."""
+    return [] if rep.get("measured_elsewhere") else list(rep.get("measured", []))
+
+
 def number(v) -> float | None:
     """``v`` as a finite float, or ``None`` (strings that parse as numbers count; bools do not)."""
     if isinstance(v, bool) or v is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..models.modality import TOKEN_IDS_NAME
 from ..plans import KINDS
-from ._sidecars import number, show
+from ._sidecars import number, show, this_plans_measurements
 
 CURVE_TEXT_LENGTHS = (1, 1000, 4096, 32768, 131072)  # plus the first group boundary and the reference
 
@@ -253,7 +253,7 @@ def _pareto(rep: dict, L: list[str]) -> None:
         L.append("baselines in the study (calibration): " + ", ".join(
             f"{p['label']} {p['bpv']:.4f} bpv KL {p['kl']:.4g}" for p in hist["baselines"]))
     bpv = rep["budget"]["bpv"]["total"]
-    for d in rep.get("measured", []) if not rep.get("measured_elsewhere") else []:
+    for d in this_plans_measurements(rep):
         if number(d.get("kl")) is not None:
             L.append(f"this plan on {d['label']}: {bpv:.4f} bpv, KL {ci(d, 'kl')}")
     if rep["budget"]["target_bpv"] is not None:
