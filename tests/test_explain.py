@@ -346,3 +346,34 @@ def test_a_plan_over_its_target_bpv_is_flagged(tmp_path):
     assert over.measurement_notes() == [f"its honest bpv {plan.bpv().total:.4f} exceeds its budget.target_bpv "
                                         f"{over.target_bpv:g}"]
     assert plan.replace(target_bpv=plan.bpv().total).measurement_notes() == []
+
+
+def test_slots_that_never_varied_are_left_out_of_the_rankings_and_counted(tmp_path):
+    """Slots whose bits never changed across the trials (here the streamed heads, fixed before the search)
+    were listed at 0.0% in "top slots" and "heads", as if measured unimportant: the trials say nothing of them."""
+    from tests.search.test_streamed_search import StreamingScorer
+
+    from kvplan.search import search
+
+    out = tmp_path / "plan.yaml"
+    search(budget="2.3", n_trials=24, scorer=StreamingScorer([(1, 0), (4, 1)]), stream_window=8, out=out,
+           progress=False, seed=0, group_sizes=(128,), residual_lengths=(0,), sink_lengths=(1,), recent_lengths=(0,))
+    rep = json.loads(explain(out, format="json"))
+    imp = rep["importance"]
+    fixed = imp["not_varied"]
+    assert fixed["of"] == 24 and fixed["slots"] >= 4 and {"L01.H0", "L04.H1"} <= set(fixed["heads"])
+    assert not {"L01.H0", "L04.H1"} & set(imp["head"])
+    assert not any(s.startswith(("L01.H0.", "L04.H1.")) for s in imp["top_slots"])
+    assert len(imp["top_slots"]) <= 24 - fixed["slots"]
+    txt = explain(out, importance=True)
+    assert f"not varied in the trials (no data: counted 0 and not ranked): {fixed['slots']} of 24 slots" in txt
+
+
+def test_a_ranking_the_forest_cannot_predict_is_flagged():
+    """A KL unrelated to every slot still got a ranking with no word beyond the OOB R2 figure."""
+    from kvplan.explain._text import _importance
+
+    lines = []
+    _importance({"importance": {"n_trials": 40, "oob_r2": -0.2, "no_fit": True, "kind": {}, "modality": {},
+                                "layer": {}, "head": {}, "quantizer": {}, "top_slots": {}}}, lines)
+    assert any(line.startswith("  caution: the forest predicts out-of-bag trials no better") for line in lines)

@@ -270,13 +270,21 @@ def _importance(hist: TrialHistory, mods, shape, seed: int) -> dict[str, Any] | 
             why = f"no slot's bits and none of {', '.join(q_fields)} vary across the {len(hist)} trials"
         return f"consensus importance ({why}: nothing to rank)"
     comp = component_importance(imp, shape, mods)
-    top_slots = dict(sorted(comp["slot"].items(), key=lambda kv: -kv[1])[:15])
+    # slots whose bits never changed across the trials hold no information: left out of the rankings
+    varied = {n[len("slot:"):] for n, v in zip(imp.names, imp.varied) if v and n.startswith("slot:")}
+    fixed = [n for n in comp["slot"] if n not in varied]
+    varied_heads = {n.rsplit(".", 2)[0] for n in varied}
+    top_slots = dict(sorted(((n, v) for n, v in comp["slot"].items() if n in varied), key=lambda kv: -kv[1])[:15])
     return {
-        "units": "% of consensus importance (impurity, permutation and |SHAP| of a random forest predicting "
-                 "log-KL from log2 bits per slot, each normalized to 100%, averaged)",
+        "units": "% of consensus importance (impurity, permutation on held-out trials and |SHAP| of a random "
+                 "forest predicting log-KL from log2 bits per slot, each normalized to 100%, averaged)",
         "n_trials": imp.n_trials, "oob_r2": imp.r2_oob, "methods": list(imp.methods),
+        "no_fit": imp.r2_oob is not None and imp.r2_oob <= 0,  # the forest predicts no better than the mean
         "kind": comp["kind"], "modality": comp["modality"], "layer": comp["layer"],
-        "head": dict(sorted(comp["head"].items(), key=lambda kv: -kv[1])[:12]),
+        "head": dict(sorted(((h, v) for h, v in comp["head"].items() if h in varied_heads),
+                            key=lambda kv: -kv[1])[:12]),
+        "not_varied": {"slots": len(fixed), "of": len(comp["slot"]),
+                       "heads": sorted(h for h in comp["head"] if h not in varied_heads)},
         "quantizer": comp["quantizer"], "top_slots": top_slots,
         "per_method_kind": {m: {kind: float(100 * sum(v for n, v in zip(imp.names, arr)
                                                      if n.startswith("slot:") and f".{kind}." in n))

@@ -224,8 +224,16 @@ def _importance(rep: dict, L: list[str]) -> None:
         return
     L.append("")
     r2 = f", forest OOB R2 {imp['oob_r2']:.2f}" if imp.get("oob_r2") is not None else ""
-    L.append(f"consensus importance ({imp['n_trials']} trials; impurity + permutation + |SHAP|{r2}), "
+    L.append(f"consensus importance ({imp['n_trials']} trials; impurity + held-out permutation + |SHAP|{r2}), "
              "in % of consensus importance:")
+    if imp.get("no_fit"):
+        L.append("  caution: the forest predicts out-of-bag trials no better than their mean KL (OOB R2 <= 0): "
+                 "this ranking rests on no learned relation")
+    fixed = imp.get("not_varied") or {}
+    if fixed.get("slots"):
+        heads = f"; every slot of heads {', '.join(fixed['heads'])}" if fixed.get("heads") else ""
+        L.append(f"  not varied in the trials (no data: counted 0 and not ranked): {fixed['slots']} of "
+                 f"{fixed['of']} slots{heads}")
     L.append("  K vs V: " + ", ".join(f"{k.upper()} {v:.1f}%" for k, v in imp["kind"].items()))
     if len(imp["modality"]) > 1:
         L.append("  modality: " + ", ".join(f"{k} {v:.1f}%" for k, v in imp["modality"].items()))

@@ -82,13 +82,30 @@ def test_consensus_importance_finds_the_driver():
     assert imp.ranking(1)[0][0] == "f2"
 
 
+def test_permutation_importance_is_measured_on_held_out_trials():
+    """Permuted on the forest's own training rows, columns it memorized looked important: slots that do not
+    move the KL at all took 8-10% of the permutation importance here; on held-out folds 2-3%."""
+    from sklearn.ensemble import RandomForestRegressor
+    from sklearn.inspection import permutation_importance
+
+    rng = np.random.default_rng(0)
+    X = rng.choice([1.0, 1.58, 2.0, 3.0], size=(60, 20))  # log2 bits of 20 slots
+    y = -1.5 * X[:, 0] - 1.0 * X[:, 1] + 0.3 * rng.normal(size=60)  # only slots 0 and 1 matter
+    imp = consensus_importance(X, y, [f"f{i}" for i in range(20)], seed=0, n_estimators=100)
+    rf = RandomForestRegressor(n_estimators=100, random_state=0, max_features=0.5).fit(X, y)
+    on_training = np.clip(permutation_importance(rf, X, y, n_repeats=5, random_state=0).importances_mean, 0, None)
+    assert (on_training / on_training.sum())[2:].sum() > 0.08
+    assert imp.methods["permutation"][2:].sum() < 0.04
+    assert imp.varied.all()
+
+
 def test_duplicate_and_constant_columns():
     rng = np.random.default_rng(1)
     a = rng.normal(size=60)
     X = np.stack([a, a, np.ones(60), rng.normal(size=60)], axis=1)
     imp = consensus_importance(X, 2 * a, ["a1", "a2", "const", "noise"], seed=0, n_estimators=50)
     assert imp.consensus[0] == pytest.approx(imp.consensus[1])
-    assert imp.consensus[2] == 0.0
+    assert imp.consensus[2] == 0.0 and imp.varied.tolist() == [True, True, False, True]
     assert imp.consensus[0] + imp.consensus[1] > 0.75
 
 
