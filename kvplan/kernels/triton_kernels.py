@@ -197,6 +197,57 @@ def _quantize_token_kernel(
 
 
 @triton.jit
+def _quantize_token_any_group_kernel(
+    X,  # [B, h, T, D] contiguous, fp16 / bf16 / fp32
+    P,  # uint8 [B, h, T, RB]
+    S,  # fp16 [B, h, T, NG], NG = D // G
+    Z,  # fp16 [B, h, T, NG]
+    FLAG,  # int32 [1]
+    T,
+    D: tl.constexpr,
+    RB: tl.constexpr,
+    NG: tl.constexpr,
+    G: tl.constexpr,  # channels per group, any divisor of D (20 at head_dim 80 and group 32)
+    BITS: tl.constexpr,
+    CPU: tl.constexpr,
+    UB: tl.constexpr,
+    UBP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """:func:`_quantize_token_kernel` for a group length that is not a power of two (a tile cannot be
+    viewed as ``[BLOCK_T, groups, G]``): each of the ``NG`` groups is reduced over the ``[BLOCK_T, BLOCK_D]``
+    tile under its channel mask, and its scale / zero spread back to its channels. Same values."""
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    t_ok = t < T
+    m2 = t_ok[:, None] & (d < D)[None, :]
+    x = tl.load(X + bh * T * D + t[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    s_full = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    z_full = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    over = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    for j in tl.static_range(NG):
+        in_group = (d >= j * G) & (d < (j + 1) * G)  # [BLOCK_D]
+        mj = m2 & in_group[None, :]
+        mn = tl.min(tl.where(mj, x, float("inf")), axis=1)  # [BLOCK_T]
+        mx = tl.max(tl.where(mj, x, float("-inf")), axis=1)
+        over = tl.maximum(over, (t_ok & ((mn < -_FP16_MAX) | (mx > _FP16_MAX))).to(tl.int32))
+        s16, z16 = _scale_zero(mn, mx, QMAX)
+        so = bh * T * NG + t * NG + j
+        tl.store(S + so, s16, mask=t_ok)
+        tl.store(Z + so, z16, mask=t_ok)
+        s_full = tl.where(in_group[None, :], s16.to(tl.float32)[:, None], s_full)
+        z_full = tl.where(in_group[None, :], z16.to(tl.float32)[:, None], z_full)
+    tl.atomic_max(FLAG, tl.max(over, axis=0))
+    codes = _encode(x, s_full, z_full, QMAX)
+    row_ptrs = P + bh * T * RB + t.to(tl.int64) * RB
+    _pack_store(row_ptrs, codes, 0, (D + CPU - 1) // CPU, t_ok, BITS, CPU, UB, UBP, BLOCK_T, BLOCK_D)
+
+
+@triton.jit
 def _quantize_channel_kernel(
     X,  # [B, h, T, D] contiguous
     P,  # uint8 [B, h, T, RB]
@@ -367,14 +418,15 @@ def _unit_params(bits: int) -> tuple[int, int, int]:
     return qt.codes_per_unit, qt.unit_bytes, ubp
 
 
-def _token_group(group_size: int, D: int) -> tuple[int, int]:
-    """(G, G_BLOCK): channels per token-axis group, and its power-of-two extent in registers."""
+def _token_group(group_size: int, D: int) -> tuple[int, int | None]:
+    """(G, G_BLOCK): channels per token-axis group, and its power-of-two extent in registers (``None``:
+    a group that is neither a power of two nor the whole head_dim, reduced under channel masks)."""
     g = channel_group_size(group_size, D)
     if g & (g - 1) == 0:
         return g, g
     if g == D:
         return g, triton.next_power_of_2(D)
-    raise ValueError(f"token-axis group length {g} must be a power of two or the whole head_dim")
+    return g, None
 
 
 def quantize(
@@ -405,18 +457,23 @@ def quantize(
     block_d = max(triton.next_power_of_2(D), 8)
     if axis == "token":
         g, g_block = _token_group(group_size, D)
-        g_block = min(g_block, block_d)
         ng = D // g
         scale = torch.empty(B, h, T, ng, dtype=torch.float16, device=x.device)
         zero = torch.empty_like(scale)
         if T and B * h:
             block_t = max(1, min(triton.next_power_of_2(T), max(1, 4096 // block_d)))
             grid = (triton.cdiv(T, block_t), B * h)
-            _quantize_token_kernel[grid](
-                x, packed, scale, zero, flag, T,
-                D=D, RB=rb, NG=ng, G_BLOCK=g_block, BITS=bits, CPU=cpu_, UB=ub, UBP=ubp,
-                BLOCK_T=block_t, BLOCK_D=block_d,
-            )
+            if g_block is None:  # e.g. groups of 20 at head_dim 80
+                _quantize_token_any_group_kernel[grid](
+                    x, packed, scale, zero, flag, T,
+                    D=D, RB=rb, NG=ng, G=g, BITS=bits, CPU=cpu_, UB=ub, UBP=ubp, BLOCK_T=block_t, BLOCK_D=block_d,
+                )
+            else:
+                _quantize_token_kernel[grid](
+                    x, packed, scale, zero, flag, T,
+                    D=D, RB=rb, NG=ng, G_BLOCK=min(g_block, block_d), BITS=bits, CPU=cpu_, UB=ub, UBP=ubp,
+                    BLOCK_T=block_t, BLOCK_D=block_d,
+                )
     elif axis == "channel":
         if not 0 <= start_offset < group_size:
             raise ValueError(f"start_offset {start_offset} outside [0, {group_size})")

@@ -37,7 +37,7 @@ if not INTERPRET and not torch.cuda.is_available():
 from kvplan.kernels import reference  # noqa: E402
 from kvplan.kernels import triton_kernels as tk  # noqa: E402
 from kvplan.kernels.attention_reference import reference_decode_attention  # noqa: E402
-from kvplan.kernels.qtypes import packed_row_bytes  # noqa: E402
+from kvplan.kernels.qtypes import channel_group_size, packed_row_bytes  # noqa: E402
 from tests.kernels import attention_cases  # noqa: E402
 from tests.kernels.attention_cases import ATTN_CASES, ATTN_TOL, case_cache, on_device  # noqa: E402
 from kvplan.kernels.formats import SCALINGS, Format, default_codebook  # noqa: E402
@@ -119,6 +119,20 @@ AXIS_OFFSETS = [("token", 0), ("channel", 0), ("channel", 1), ("channel", 29)]
 @pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
 def test_quantize_shapes(shape, bits, axis, offset):
     _check_quantize(_rand(shape, torch.float16, seed=sum(shape) + offset), bits, 32, axis, offset)
+
+
+@pytest.mark.parametrize(("D", "group_size"), [(80, 32), (96, 64), (112, 32), (48, 32)])
+@pytest.mark.parametrize("bits", [2, 3, 8], ids=["int2", "int3", "int8"])
+def test_token_groups_that_are_not_a_power_of_two(D, group_size, bits):
+    """Per-token groups of 20, 48, 28 or 24 channels (head_dim 80 / 96 / 112 / 48): Triton's quantize and
+    dequantize refused them, so a CUDA model of such a head_dim could not store values, sinks or the coded
+    residual under the default plans; the reference, accounting and attention kernels take them."""
+    x = _rand((2, 3, 19, D), torch.float16, seed=D + bits)
+    x[0, 1, 4] = 0.5  # one token whose groups are constant
+    packed, scale, zero = _check_quantize(x, bits, group_size, "token")
+    assert scale.shape == (2, 3, 19, D // channel_group_size(group_size, D))
+    ref = reference.dequantize(packed, scale, zero, bits, group_size, "token", D, 0, torch.float32)
+    assert torch.equal(tk.dequantize(packed, scale, zero, bits, group_size, "token", D, 0, torch.float32), ref)
 
 
 def test_quantize_t_shorter_than_group_spanning_two_groups():
