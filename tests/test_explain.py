@@ -377,3 +377,22 @@ def test_a_ranking_the_forest_cannot_predict_is_flagged():
     _importance({"importance": {"n_trials": 40, "oob_r2": -0.2, "no_fit": True, "kind": {}, "modality": {},
                                 "layer": {}, "head": {}, "quantizer": {}, "top_slots": {}}}, lines)
     assert any(line.startswith("  caution: the forest predicts out-of-bag trials no better") for line in lines)
+
+
+def test_a_trial_history_that_lost_rows_is_flagged(searched, tmp_path):
+    """A .trials.csv cut to 5 of its 20 rows was used silently: the importance and the Pareto front of 5
+    trials, beside "20 trials" and a chosen trial missing from the front."""
+    plan = Plan.from_yaml(searched)
+    n, trial = plan.metrics["search"]["n_trials"], plan.metrics["search"]["trial"]
+    stem = str(searched)[: -len(".yaml")]
+    copy = tmp_path / "p.yaml"
+    shutil.copy(searched, copy)
+    shutil.copy(stem + ".search.json", tmp_path / "p.search.json")
+    rows = open(stem + ".trials.csv").read().splitlines(keepends=True)
+    kept = [r for r in rows[1:] if not r.startswith(f"{trial},")][:5]
+    (tmp_path / "p.trials.csv").write_text(rows[0] + "".join(kept))
+    warnings = json.loads(explain(copy, format="json"))["warnings"]
+    assert any(f"holds 5 trial rows of the {n} the search recorded (metrics.search.n_trials)" in w for w in warnings)
+    assert any(f"the plan's own trial {trial} (metrics.search.trial) is not among its rows" in w for w in warnings)
+    shutil.copy(stem + ".trials.csv", tmp_path / "p.trials.csv")
+    assert json.loads(explain(copy, format="json"))["warnings"] == []

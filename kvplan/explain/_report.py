@@ -293,6 +293,22 @@ def _importance(hist: TrialHistory, mods, shape, seed: int) -> dict[str, Any] | 
     }
 
 
+def _history_gaps(hist: TrialHistory, metrics: dict) -> list[str]:
+    """Warnings for a trial history that lacks trials the plan's search recorded (rows cut off or deleted):
+    the importance and the Pareto front then rest on part of the search."""
+    search = metrics.get("search") if isinstance(metrics.get("search"), dict) else {}
+    out = []
+    recorded = number(search.get("n_trials"))
+    if recorded is not None and hist.n_rows < recorded:
+        out.append(f"{hist.path}: holds {hist.n_rows} trial rows of the {int(recorded)} the search recorded "
+                   f"(metrics.search.n_trials): cut off or edited? the importance and the Pareto front use its "
+                   f"{len(hist)} usable trials")
+    trial = search.get("trial")
+    if isinstance(trial, int) and not isinstance(trial, bool) and trial not in hist.number:
+        out.append(f"{hist.path}: the plan's own trial {trial} (metrics.search.trial) is not among its rows")
+    return out
+
+
 # ----------------------------------------------------------------------------- report
 def report(plan_path, importance: bool = True, seed: int = 0, context_lengths: Sequence[int] | None = None,
            batch_sizes: Sequence[int] | None = None) -> dict[str, Any]:
@@ -347,6 +363,7 @@ def report(plan_path, importance: bool = True, seed: int = 0, context_lengths: S
         rep["missing"].append(f"trial history ({side['trials']} {why}): no consensus importance and no "
                               "Pareto front; run kvplan search with --out next to this plan to produce it")
     else:
+        warnings.extend(_history_gaps(hist, plan.metrics))
         rep["history"] = history_section(hist, search)
         if hist.hosts:
             rep["history"]["measured_on"] = dict(hist.hosts)  # host -> trials (several workers)
