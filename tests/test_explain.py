@@ -367,6 +367,7 @@ def test_slots_that_never_varied_are_left_out_of_the_rankings_and_counted(tmp_pa
     assert len(imp["top_slots"]) <= 24 - fixed["slots"]
     txt = explain(out, importance=True)
     assert f"not varied in the trials (no data: counted 0 and not ranked): {fixed['slots']} of 24 slots" in txt
+    assert "(streamed heads count 0); formats used: streamed, " in txt  # read "0, 2, ... bits" before
 
 
 def test_a_ranking_the_forest_cannot_predict_is_flagged():

@@ -113,7 +113,7 @@ def allocation_figure(rep: dict) -> bytes:
         ax.set_ylim(H - 0.5, -0.5)
         ax.set_ylabel("KV head", fontsize=8)
     axes[-1, 0].set_xlabel("layer")
-    handles = [Patch(facecolor=FORMAT_COLOURS.get(b, "#999999"), edgecolor="grey", label=f"{b} bit") for b in used]
+    handles = [Patch(facecolor=FORMAT_COLOURS.get(b, "#999999"), edgecolor="grey", label="streamed" if b == 0 else f"{b} bit") for b in used]
     if corr.any():
         q = rep["quantizer"]
         handles.append(Line2D([], [], ls="", marker="o", ms=5, mfc="#00e0ff", mec="black",

@@ -143,8 +143,9 @@ def _allocation(rep: dict, L: list[str]) -> None:
     a = rep["allocation"]
     mods = rep["modalities"]
     L.append("")
-    L.append(f"allocation: mean bits K {a['mean_bits']['k']:.2f}, V {a['mean_bits']['v']:.2f}; "
-             f"formats used: {', '.join(str(b) for b in a['bits_used'])} bits")
+    streamed = " (streamed heads count 0)" if 0 in a["bits_used"] else ""
+    L.append(f"allocation: mean bits K {a['mean_bits']['k']:.2f}, V {a['mean_bits']['v']:.2f}{streamed}; "
+             f"formats used: {', '.join('streamed' if b == 0 else str(b) for b in a['bits_used'])} bits")
     for kind in KINDS:
         h = ", ".join(f"{bits}b x{n}" for bits, n in a["histogram"][kind].items() if n)
         L.append(f"  {kind.upper()} slots: {h}")
