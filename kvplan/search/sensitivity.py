@@ -61,10 +61,12 @@ def profile_units(space: SearchSpace) -> dict[str, np.ndarray]:
 def profile_quantizer(space: SearchSpace) -> QuantizerSettings:
     """Setting the profile is measured at: the largest group size and the shortest residual
     (every history token quantized, the clearest signal), with the space's fixed codec
-    settings (key correction, rotations) so it measures the codec the plans will use."""
-    return QuantizerSettings(group_size=space.group_sizes[-1], key_axis=space.key_axes[0],
-                             value_axis=space.value_axis, residual_length=space.residual_lengths[0],
-                             **space.fixed_fields)
+    settings (key correction, rotations) and its slot formats (the Lloyd-Max codebooks at that
+    group size) so it measures the codec the plans will use: a quantizer of the space."""
+    group_size, key_axis = space.group_sizes[-1], space.key_axes[0]
+    return QuantizerSettings(group_size=group_size, key_axis=key_axis, value_axis=space.value_axis,
+                             residual_length=space.residual_lengths[0],
+                             codebooks=space.codebooks_for(group_size, key_axis), **space.fixed_fields)
 
 
 def _n_head_units(space: SearchSpace, n_units: int | None) -> int:

@@ -254,3 +254,16 @@ def test_head_profile_only_where_heads_are_searched():
     sp = SearchSpace(GEOM, MODS, "layer_kv")
     prof = run_profile(SyntheticScorer(), sp, REF, n_head_units=4)
     assert not any(".h" in n for n in prof)
+
+
+def test_the_profile_measures_a_quantizer_of_the_space_with_its_codebooks():
+    """The profile's plans carried no Lloyd-Max codebooks while every searched plan's values had them: the
+    value damages it measured were another codec's (2x to 4x the searched codec's on some layers of the
+    default model), and they shape the seeds, the surrogate's prior and the streamed heads."""
+    from kvplan.search.space import DEFAULT_FORMATS
+    from kvplan.search.sensitivity import profile_quantizer
+
+    space = SearchSpace(GEOM, MODS, "slot", group_sizes=(32, 128), **DEFAULT_FORMATS)
+    q = profile_quantizer(space)
+    assert q.codebooks and {kind for kind, _, _ in q.codebooks} == set(DEFAULT_FORMATS["codebooks"])
+    assert space.contains_quantizer(q)
