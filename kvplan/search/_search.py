@@ -510,9 +510,12 @@ class _Searcher:
         for lv, q in self.mutations(self.strategy.n_local):
             cands.append((lv, q, None, "mutation+surrogate"))
         uniq, keys = [], set()
+        repeated: set[int] = set()  # asked trials whose repaired plan is measured or proposed already
         for c in cands:
             k = key_hash(_key(c[0], c[1]))
             if k in seen or k in keys:
+                if c[2] is not None:
+                    repeated.add(id(c[2]))
                 continue
             keys.add(k)
             uniq.append(c)
@@ -539,7 +542,7 @@ class _Searcher:
                 continue
             if id(t) in pred_of:
                 self._set_attr(t, "kvplan.pred_log_kl", pred_of[id(t)])
-            self._drop(t, "screened")
+            self._drop(t, "duplicate" if id(t) in repeated else "screened")  # only ranked ones were screened
         if not chosen:  # nothing new proposed: keep going with single steps
             self.step_single()
 
@@ -565,6 +568,7 @@ class _Searcher:
                     if self.check_identity is not None:
                         self.check_identity(attrs)  # two first workers with other setups wrote at once
                     if attrs.get("kvplan.exhausted"):
+                        self._warn_short("a worker of this study found no new plan to propose before")
                         break
                 n = self.complete_count()
                 if n >= self.n_trials:
@@ -587,13 +591,23 @@ class _Searcher:
                 if stall > 20:
                     if self.persistent:
                         self.study.set_user_attr("kvplan.exhausted", True)
-                    break  # the space is exhausted (tiny spaces)
+                    self._warn_short("21 rounds in a row proposed no plan that is not measured already")
+                    break  # the space is exhausted (tiny spaces), or every proposal repairs onto a measured plan
         except BaseException:
             self._give_back_held()
             raise
         finally:
             if self.bar is not None:
                 self.bar.close()
+
+    def _warn_short(self, why: str) -> None:
+        """Say that the search stops short of ``n_trials`` (it stopped silently, its plan files reading the
+        smaller count as if asked for)."""
+        n = self.complete_count()
+        if n < self.n_trials:
+            warnings.warn(f"kvplan: the search stops at {n} of the {self.n_trials} trials asked: {why} (few plans "
+                          "fit the budget in this search space, or the proposals keep landing on measured ones)",
+                          stacklevel=2)
 
     def _give_back_held(self) -> None:
         """On an interruption (Ctrl-C, an error): fail the trials this worker holds and put its evaluations

@@ -285,6 +285,21 @@ def test_a_finished_search_run_again_writes_its_missing_files_back_as_recorded(t
     assert first.plan.to_yaml() == Plan.from_yaml(out).to_yaml()
 
 
+def test_a_search_that_runs_out_of_new_plans_says_it_stopped_short_and_labels_repeats_as_duplicates():
+    """A space with 7 plans within the budget, 30 trials asked: the search stopped at 7 without a word, and
+    asked trials that repaired onto a measured plan were labelled "screened", as if the surrogate had
+    rejected them."""
+    with pytest.warns(UserWarning, match="the search stops at 7 of the 30 trials asked: 21 rounds in a row"):
+        r = search(budget=2.4, granularity="layer", bits=(2, 3), group_sizes=(128,), residual_lengths=(0,),
+                   sink_lengths=(0,), n_trials=30, seed=0, scorer=SyntheticScorer(), out=None, profile=False,
+                   baselines=False, **FAST)
+    assert r.n_real_evals == 7
+    failed = r.study.get_trials(states=(TrialState.FAIL,))
+    roles = [t.user_attrs.get("kvplan.role") for t in failed]
+    screened = [t for t in failed if t.user_attrs.get("kvplan.role") == "screened"]
+    assert roles.count("duplicate") > 0 and all("kvplan.pred_log_kl" in t.user_attrs for t in screened)
+
+
 def test_without_keep_trials_or_out_no_journal_is_written(tmp_path):
     out = tmp_path / "plan.yaml"
     search(budget=3.0, n_trials=3, scorer=SyntheticScorer(), out=out, **FAST)
