@@ -70,7 +70,6 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 import optuna
-import yaml
 from optuna.trial import TrialState
 
 from ..errors import KVPlanError
@@ -1345,23 +1344,11 @@ def _export_missing_here(final: Mapping, out, owner: Mapping) -> bool:
         if not os.path.isfile(path):
             return True
         if role.startswith("plan@"):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    run_id = yaml.safe_load(f)["metrics"]["search"]["run_id"]
-            except (OSError, yaml.YAMLError, TypeError, KeyError):
+            try:  # the hardened plan reader: a replaced file may hold anything
+                metrics = Plan.from_yaml(path).metrics
+            except (OSError, KVPlanError):
                 return True
-            if run_id != final.get("run_id"):
-                return True
-    return False
-    for role, path in recorded.items():
-        if not os.path.isfile(path):
-            return True
-        if role.startswith("plan@"):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    run = ((yaml.safe_load(f) or {}).get("metrics") or {}).get("search", {}).get("run_id")
-            except (OSError, yaml.YAMLError, AttributeError):
-                return True
-            if run != final.get("run_id"):
+            search = metrics.get("search") if isinstance(metrics.get("search"), Mapping) else {}
+            if search.get("run_id") != final.get("run_id"):
                 return True
     return False

@@ -283,6 +283,10 @@ def test_a_finished_search_run_again_writes_its_missing_files_back_as_recorded(t
     search(scorer=SyntheticScorer(), **kw)
     assert {f: (tmp_path / f).read_bytes() for f in written} == written
     assert first.plan.to_yaml() == Plan.from_yaml(out).to_yaml()
+    for junk in (b"\xff\xfe not text", b"[" * 5000):  # a plan file replaced by anything: written back too
+        out.write_bytes(junk)
+        search(scorer=SyntheticScorer(), **kw)
+        assert out.read_bytes() == written["plan.yaml"]
 
 
 def test_a_search_that_runs_out_of_new_plans_says_it_stopped_short_and_labels_repeats_as_duplicates():
