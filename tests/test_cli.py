@@ -127,6 +127,20 @@ def test_search_then_explain_then_load(tmp_path, smollm2):
 
 
 @pytest.mark.slow
+def test_a_budget_given_twice_is_refused_before_it_can_overwrite_an_input(tmp_path, capsys):
+    """``--budget 3 3 --task t.jsonl --out t.jsonl`` passed the check that --out is no input (it checked the
+    two budgets' files, t-3bpv.jsonl) and the export, one plan per distinct budget, wrote t.jsonl itself."""
+    from kvplan.cli import main
+
+    task = tmp_path / "t.jsonl"
+    task.write_text('{"history": "h", "question": "q"}\n')
+    before = task.read_bytes()
+    assert main(["search", "--quiet", "--budget", "3", "3bpv", "--task", str(task), "--out", str(task)]) == 2
+    err = capsys.readouterr().err
+    assert "budget 3 bpv is given more than once (3, 3): each budget gets one plan" in err
+    assert len(err.strip().splitlines()) == 1 and task.read_bytes() == before
+
+
 def test_search_budget_below_cheapest_fails_fast():
     r = _kvplan("search", "--budget", "0.1bpv", "--samples", "2", "--history-tokens", "96", "--quiet")
     assert r.returncode == 2

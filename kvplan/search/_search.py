@@ -80,6 +80,7 @@ from ..surrogates import ForestSurrogate, PlanFeatures, log_kl
 from .budget import (
     EPS,
     BpvModel,
+    BudgetError,
     group_damage,
     knapsack_seed,
     parse_budget,
@@ -801,6 +802,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     t_start = time.perf_counter()
     # in increasing order, whatever order they were given in: a study's name and setup do not depend on it
     budgets = sorted(parse_budget(b) for b in (budget if isinstance(budget, (list, tuple)) else [budget]))
+    twice = sorted({b for b in budgets if budgets.count(b) > 1})
+    if twice:  # one plan per budget: a repeat would name other files than the export writes (--out itself)
+        raise BudgetError(f"budget {', '.join(f'{b:g}' for b in twice)} bpv is given more than once "
+                          f"({', '.join(f'{b:g}' for b in budgets)}): each budget gets one plan; give it once")
     multi = pareto or len(budgets) > 1
     own_journal = keep_trials and storage is None and out is not None and not finalize
     if out is not None:  # the plan files and their sidecars: writable, and not on what the search reads
