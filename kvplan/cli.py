@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import KVPlanError
+from .errors import MAX_SEED, KVPlanError
 
 
 def _cmd_validate(args) -> int:
@@ -163,8 +163,9 @@ def _cmd_sweep(args) -> int:
     return 0
 
 
-def _int_at_least(minimum: int):
-    """An argparse type: a whole number >= ``minimum`` (argparse prints the error and exits 2)."""
+def _int_at_least(minimum: int, maximum: int | None = None):
+    """An argparse type: a whole number >= ``minimum`` (and <= ``maximum``; argparse prints the error and
+    exits 2)."""
 
     def parse(text: str) -> int:
         try:
@@ -173,12 +174,15 @@ def _int_at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
         if n < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {n}")
+        if maximum is not None and n > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {n}")
         return n
 
     return parse
 
 
 _positive, _non_negative = _int_at_least(1), _int_at_least(0)
+_seed = _int_at_least(0, MAX_SEED)  # what numpy's and Optuna's generators take
 
 
 def _head_units(text: str) -> int | str:
@@ -204,7 +208,7 @@ def _add_task_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-tokens", type=_positive, default=None,
                    help="the built-in task's evaluated tokens per sample (as kvplan search --eval-tokens; default 32; "
                         "eval: the plan's search's)")
-    p.add_argument("--seed", type=int, default=None,
+    p.add_argument("--seed", type=_seed, default=None,
                    help="how the task is split (default 0; eval: the plan's search's)")
     p.add_argument("--quiet", action="store_true")
 
@@ -238,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="real (scored) evaluations in the study, after the sensitivity profile "
                         "(337 evaluations on the default model: each (layer, K/V) unit, each KV head of each unit, "
                         "each head streamed); default %(default)s, chosen on the validation split")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_seed, default=0)
     s.add_argument("--task", default="default",
                    help="'default' (offline Python docs) or a JSONL task file (records: history, optional images, "
                         "question, choices, answer), split by record into calibration / validation / test")

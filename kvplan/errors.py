@@ -99,3 +99,14 @@ class CacheError(KVPlanError, RuntimeError):
 class StorageError(KVPlanError):
     """The study storage named by the user (``--storage``) cannot be opened: its driver is
     missing, the URL is malformed, the server is unreachable or the file cannot be created."""
+
+
+MAX_SEED = 2**32 - 1  # the largest seed numpy's and Optuna's generators take
+
+
+def check_seed(seed, where: str = "seed") -> int:
+    """``seed`` if it is a whole number in ``[0, MAX_SEED]``, else a one-line :class:`KVPlanError` naming
+    ``where`` (numpy and Optuna raise their own error only once the work that uses it has run)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise KVPlanError(f"{where}: must be a whole number from 0 to {MAX_SEED}, got {describe(seed)}")
+    return seed

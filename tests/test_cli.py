@@ -141,6 +141,37 @@ def test_a_budget_given_twice_is_refused_before_it_can_overwrite_an_input(tmp_pa
     assert len(err.strip().splitlines()) == 1 and task.read_bytes() == before
 
 
+@pytest.mark.parametrize("command", [["search"], ["eval", "int4"], ["sweep"]])
+@pytest.mark.parametrize("seed", ["-1", "4294967296"])
+def test_a_seed_numpy_cannot_take_is_one_line_before_any_work(monkeypatch, capsys, command, seed):
+    """--seed -1 (or 2**32) loaded the model, ran the whole search or evaluation, then failed in numpy's or
+    Optuna's generator with an internal-error traceback; --seed 4294967295 crashed on a resume."""
+    import kvplan.models
+    from kvplan.cli import main
+
+    def no_work(*a, **k):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(kvplan.models, "load_model", no_work)
+    with pytest.raises(SystemExit) as e:  # argparse's one line
+        main(command + ["--quiet", "--seed", seed])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert f"argument --seed: must be at {'least 0' if seed == '-1' else 'most 4294967295'}, got {seed}" in err
+
+
+def test_the_search_api_refuses_a_seed_out_of_range_and_resumes_at_the_largest():
+    from kvplan.errors import KVPlanError
+    from kvplan.search import search
+    from tests.search.synthetic import SyntheticScorer
+
+    fast = dict(budget=3.0, n_trials=3, scorer=SyntheticScorer(), out=None, profile=False, progress=False,
+                n_candidates=4, n_local=8)
+    with pytest.raises(KVPlanError, match="seed: must be a whole number from 0 to 4294967295, got -1"):
+        search(seed=-1, **fast)
+    assert search(seed=4294967295, **fast).n_real_evals == 3
+
+
 def test_search_budget_below_cheapest_fails_fast():
     r = _kvplan("search", "--budget", "0.1bpv", "--samples", "2", "--history-tokens", "96", "--quiet")
     assert r.returncode == 2

@@ -45,7 +45,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..errors import KVPlanError
+from ..errors import KVPlanError, check_seed
 from ..models.modality import Labelling, resolve_labelling
 from .harness import Sample
 
@@ -443,7 +443,8 @@ def user_task_samples(path: str | os.PathLike, model, processor, n: int | None =
 def check_task(task: str, samples: Mapping[str, int | None] | None = None, seed: int = 0) -> None:
     """Fail fast (before a model loads) on a task file that cannot be read or whose splits hold
     fewer records than ``samples`` (split -> number of samples asked; ``None``: all; 0: unused), or on a
-    count that is not a whole number of at least 0."""
+    count that is not a whole number of at least 0, or a ``seed`` numpy cannot take."""
+    check_seed(seed)
     if task == "default":
         for split, n in (samples or {}).items():
             if split == ALL_RECORDS and n != 0:

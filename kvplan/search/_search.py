@@ -72,7 +72,7 @@ import numpy as np
 import optuna
 from optuna.trial import TrialState
 
-from ..errors import KVPlanError
+from ..errors import MAX_SEED, KVPlanError, check_seed, describe
 from ..models.geometry import Geometry
 from ..models.modality import TOKEN_IDS_NAME
 from ..plans import Plan, Provenance, QuantizerSettings, Reference, atomic_write_text
@@ -95,7 +95,6 @@ from .config import SearchConfig, resolve_formats, resolve_stream_window
 from .space import (DEFAULT_BITS, DEFAULT_GROUP_SIZES, DEFAULT_HEAVY_LENGTH, DEFAULT_KEY_AXES, DEFAULT_RECENT_LENGTHS,
                     DEFAULT_RESIDUAL_BITS, DEFAULT_RESIDUAL_LENGTHS, DEFAULT_SINK_BITS, DEFAULT_SINK_LENGTHS,
                     DEFAULT_TRIALS, SearchSpace)
-from ..errors import describe
 from ..plans._files import (budget_plan_path, check_not_inputs, check_writable, existing_path, journal_path,
                             sidecar_paths, write_file_set)  # noqa: F401 -- sidecar_paths is public
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
@@ -500,7 +499,7 @@ class _Searcher:
         done = self.complete()
         items = [(self.space.levels_of(t.params), self.space.quantizer_of(t.params)) for t in done]
         y = log_kl([t.values[0] for t in done])
-        sur = ForestSurrogate(seed=self.seed + len(done)).fit(self._features(items), y, self._offset(items))
+        sur = ForestSurrogate(seed=(self.seed + len(done)) % (MAX_SEED + 1)).fit(self._features(items), y, self._offset(items))
         seen = self.evaluated_keys()
         cands: list[tuple[np.ndarray, Any, Any, str]] = []  # (levels, q, asked trial or None, source)
         asked = [self.ask() for _ in range(self.strategy.n_candidates)]
@@ -800,6 +799,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     Returns a :class:`SearchResult`; ``result.plan`` is the exported plan.
     """
     t_start = time.perf_counter()
+    check_seed(seed)
     # in increasing order, whatever order they were given in: a study's name and setup do not depend on it
     budgets = sorted(parse_budget(b) for b in (budget if isinstance(budget, (list, tuple)) else [budget]))
     twice = sorted({b for b in budgets if budgets.count(b) > 1})
@@ -959,11 +959,11 @@ def _open_study(st, study_name: str, label, *, multi: bool, finalize: bool, seed
                                     directions=["minimize", "minimize"] if multi else ["minimize"])
     n_existing = len(study.get_trials(deepcopy=False)) if is_persistent(st) else 0
     if worker is not None:
-        sampler_seed = seed + 7919 * worker
+        sampler_seed = (seed + 7919 * worker) % (MAX_SEED + 1)
     elif is_persistent(st) and shared:
         sampler_seed = (seed * 1_000_003 + os.getpid() * 31 + n_existing) % (2 ** 31)
     else:  # one process (in memory, or its own journal): a fresh study samples as in memory, a resumed one
-        sampler_seed = seed + 7919 * n_existing  # from where it stopped, the same way every time
+        sampler_seed = (seed + 7919 * n_existing) % (MAX_SEED + 1)  # from where it stopped, the same way every time
     study.sampler = optuna.samplers.TPESampler(seed=sampler_seed, multivariate=True, n_startup_trials=n_startup,
                                                constant_liar=True)
     return study, sampler_seed
