@@ -499,7 +499,8 @@ class _Searcher:
         done = self.complete()
         items = [(self.space.levels_of(t.params), self.space.quantizer_of(t.params)) for t in done]
         y = log_kl([t.values[0] for t in done])
-        sur = ForestSurrogate(seed=(self.seed + len(done)) % (MAX_SEED + 1)).fit(self._features(items), y, self._offset(items))
+        sur = ForestSurrogate(seed=(self.seed + len(done)) % (MAX_SEED + 1))
+        sur.fit(self._features(items), y, self._offset(items))
         seen = self.evaluated_keys()
         cands: list[tuple[np.ndarray, Any, Any, str]] = []  # (levels, q, asked trial or None, source)
         asked = [self.ask() for _ in range(self.strategy.n_candidates)]
