@@ -246,12 +246,12 @@ def _run_sweep(model, samples, out_dir, task, split, bits, seed, history_tokens,
             "layer_types": list(Geometry.of(m).layer_types), "sliding_window": Geometry.of(m).sliding_window,
             "seconds": res["seconds"], "title": f"{model if isinstance(model, str) else 'model'}: "
                                                 f"{len(ss)} samples, {_history_title(lengths)}"}
-    res["paths"] = {} if out_dir is None else write_sweep(res, os.fspath(out_dir), meta)
     res["meta"] = meta
-    if verbose:
+    if verbose:  # the results first: a failure writing the files below (a full disk) does not lose them
         print(format_layers(Geometry.of(m)))
         print(format_table(res["rows"]))
         print()
         print(format_ratios(res["ratios"]))
-        print(f"wall time: {res['seconds']:.1f} s")
+        print(f"wall time: {res['seconds']:.1f} s", flush=True)
+    res["paths"] = {} if out_dir is None else write_sweep(res, os.fspath(out_dir), meta)
     return res

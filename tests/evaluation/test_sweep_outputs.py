@@ -88,3 +88,24 @@ def test_eval_defaults_to_the_split_the_search_measured(tmp_path, monkeypatch, c
     model, tok = get_model()
     n = len(task_samples(task, model, tok, split="test", n=resolve_sample_count(task, None)))
     assert n == len(split_records(read_jsonl(task), "test"))
+
+
+def test_a_sweep_whose_files_cannot_be_written_still_prints_its_results(monkeypatch, tmp_path, capsys):
+    """The files were written before the table was printed: a failure writing them (here a folder in the way
+    of sweep.csv) lost every result of minutes of evaluation."""
+    import kvplan.evaluation.runs as runs
+    from kvplan.cli import main
+    from kvplan.models import Geometry
+
+    g = Geometry(2, 1, 64, ("full", "full"), "llama")
+    row = {"condition": "fp16", "bits": 16, "modality": "all", "kind": "KV", "kl": 0.0, "kl_lo": 0.0, "kl_hi": 0.0,
+           "delta_nll": 0.0, "delta_nll_lo": 0.0, "delta_nll_hi": 0.0, "top1": 1.0, "acc": None, "acc_fp": None,
+           "quantized_tokens_per_sample": 0.0, "bpv": 16.0, "bpv_measured": 16.0}
+    rows = [row, dict(row, condition="int2-text-K", bits=2, modality="text", kind="K", kl=0.123456)]
+    monkeypatch.setattr(runs, "_prepared_task", lambda *a, **k: (object(), None, [], [], ("text",), {}))
+    monkeypatch.setattr(runs, "sweep_prepared", lambda *a, **k: {"rows": rows, "ratios": {}, "results": {}})
+    monkeypatch.setattr(runs, "Geometry", type("G", (), {"of": staticmethod(lambda m: g)}))
+    monkeypatch.setattr(runs, "_token_lengths", lambda ss: {"history_tokens": 512, "eval_tokens": 32})
+    (tmp_path / "sweep.csv").mkdir()  # in the way of one output file
+    assert main(["sweep", "--samples", "2", "--quiet", "--out-dir", str(tmp_path)]) == 2
+    assert "| int2-text-K |" in capsys.readouterr().out
