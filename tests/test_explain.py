@@ -397,3 +397,24 @@ def test_a_trial_history_that_lost_rows_is_flagged(searched, tmp_path):
     assert any(f"the plan's own trial {trial} (metrics.search.trial) is not among its rows" in w for w in warnings)
     shutil.copy(stem + ".trials.csv", tmp_path / "p.trials.csv")
     assert json.loads(explain(copy, format="json"))["warnings"] == []
+
+
+def test_a_trial_row_with_an_absurd_quantizer_value_is_skipped_not_fed_to_the_forest(searched, tmp_path):
+    """A residual_length of 1e300 in .trials.csv passed the row check (a finite whole number) and crashed the
+    importance forest (sklearn: "Input X contains infinity") with an internal error."""
+    import csv
+
+    stem = str(searched)[: -len(".yaml")]
+    copy = tmp_path / "p.yaml"
+    shutil.copy(searched, copy)
+    shutil.copy(stem + ".search.json", tmp_path / "p.search.json")
+    with open(stem + ".trials.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    rows[3]["residual_length"] = "1e300"
+    with open(tmp_path / "p.trials.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    rep = json.loads(explain(copy, format="json"))
+    assert any("residual_length '1e300' is not a valid residual_length" in w for w in rep["warnings"])
+    assert rep["importance"]["n_trials"] == len(rows) - 1

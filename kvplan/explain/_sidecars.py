@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels.qtypes import GROUP_SIZES
+from ..plans._checks import MAX_TOKENS
 from ..plans._fields import PLAN_BITS
 from ..plans import codes_error
 
@@ -121,7 +122,7 @@ def _row_problem(r: dict, n_slots: int) -> str | None:
         if v in (None, ""):
             continue
         f = number(v)
-        if f is None or f != int(f) or f < 0 or (k == "group_size" and int(f) not in GROUP_SIZES):
+        if f is None or f != int(f) or not 0 <= f <= MAX_TOKENS or (k == "group_size" and int(f) not in GROUP_SIZES):
             return f"{k} {show(v)} is not a valid {k}"
     for k in ("key_axis", "value_axis"):
         if r.get(k) not in (None, "") and r[k] not in AXES:
