@@ -437,3 +437,19 @@ def test_a_missing_image_of_a_task_record_is_named_before_any_model_loads(monkey
     err = capsys.readouterr().err
     assert f"task.jsonl:8: field '{field}': {kind} file not found: {tmp_path / 'nope.png'}" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("plan", ["does-not-exist.yaml", "int5"])
+def test_generate_checks_its_plan_before_the_model_loads(monkeypatch, tmp_path, capsys, plan):
+    """``kvplan generate --plan missing.yaml`` (or an unknown baseline name) loaded the model first."""
+    import kvplan.models
+    from kvplan.cli import main
+
+    def no_work(*a, **k):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(kvplan.models, "load_model", no_work)
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--plan", plan]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvplan: error: {plan}: ") and "plan file" in err and len(err.strip().splitlines()) == 1
