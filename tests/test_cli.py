@@ -337,6 +337,14 @@ def test_argument_errors_come_before_the_work(monkeypatch, tmp_path, capsys):
         rc = main(argv)
         err = capsys.readouterr().err
         assert rc == 2 and fragment in err and "Traceback" not in err, (argv, err)
+    # whole JSON lines that are no journal record failed inside Optuna's replay, as internal errors
+    for line, why in [("1", "not an object with a known op_code"), ('{"op_code": 99, "worker_id": "w"}', "known op_"),
+                      ("[" * 100_000 + "]" * 100_000, "recursion")]:
+        journal.write_text(line + "\n")
+        rc = main(["search", "--quiet", "--storage", str(journal), "--study-name", "s",
+                   "--out", str(tmp_path / "p.yaml")])
+        err = capsys.readouterr().err
+        assert rc == 2 and "line 1 is not an Optuna journal record" in err and why in err, err
     for option in (["generate", "--max-new-tokens", "0"], ["search", "--key-correction-rank", "-1"]):
         with pytest.raises(SystemExit) as e:
             main(option)

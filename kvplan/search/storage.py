@@ -168,7 +168,9 @@ def _check_journal(path: str) -> None:
     import json
 
     from optuna.storages.journal import JournalFileSymlinkLock
+    from optuna.storages.journal._storage import JournalOperation
 
+    op_codes = {int(op) for op in JournalOperation}
     lock = JournalFileSymlinkLock(path)
     lock.acquire()
     try:
@@ -177,8 +179,10 @@ def _check_journal(path: str) -> None:
                 try:
                     if not line.endswith(b"\n"):
                         raise ValueError("the line is cut off")
-                    json.loads(line)
-                except ValueError as e:
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or record.get("op_code") not in op_codes:
+                        raise ValueError("not an object with a known op_code")
+                except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
                     raise StorageError(f"--storage {path}: line {number} is not an Optuna journal record "
                                        f"({one_line(str(e), 120)}); if a killed writer cut it off, remove that "
                                        "line to resume the study") from None
