@@ -141,6 +141,19 @@ def _encode(x, s, z, QMAX: tl.constexpr):
 
 # ============================================================================ quantize kernels
 @triton.jit
+def _token_tile(X, T, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's ``[BLOCK_T, BLOCK_D]`` tile of ``X [B, h, T, D]`` in fp32 (grid ``(cdiv(T, BLOCK_T),
+    B * h)``), with its head-row ``bh``, token indices ``t`` (and ``t < T``), channels ``d`` and mask."""
+    bh = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    t_ok = t < T
+    m2 = t_ok[:, None] & (d < D)[None, :]
+    x = tl.load(X + bh * T * D + t[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    return bh, t, t_ok, d, m2, x
+
+
+@triton.jit
 def _quantize_token_kernel(
     X,  # [B, h, T, D] contiguous, fp16 / bf16 / fp32
     P,  # uint8 [B, h, T, RB] contiguous, RB = packed_row_bytes(D, BITS)
@@ -168,13 +181,7 @@ def _quantize_token_kernel(
     """
     QMAX: tl.constexpr = (1 << BITS) - 1
     NGB: tl.constexpr = BLOCK_D // G_BLOCK
-    pid_t = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    d = tl.arange(0, BLOCK_D)
-    t_ok = t < T
-    m2 = t_ok[:, None] & (d < D)[None, :]
-    x = tl.load(X + bh * T * D + t[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    bh, t, t_ok, d, m2, x = _token_tile(X, T, D, BLOCK_T, BLOCK_D)
 
     x3 = tl.reshape(x, (BLOCK_T, NGB, G_BLOCK))
     m3 = tl.reshape(m2, (BLOCK_T, NGB, G_BLOCK))
@@ -219,13 +226,7 @@ def _quantize_token_any_group_kernel(
     viewed as ``[BLOCK_T, groups, G]``): each of the ``NG`` groups is reduced over the ``[BLOCK_T, BLOCK_D]``
     tile under its channel mask, and its scale / zero spread back to its channels. Same values."""
     QMAX: tl.constexpr = (1 << BITS) - 1
-    pid_t = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    d = tl.arange(0, BLOCK_D)
-    t_ok = t < T
-    m2 = t_ok[:, None] & (d < D)[None, :]
-    x = tl.load(X + bh * T * D + t[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    bh, t, t_ok, d, m2, x = _token_tile(X, T, D, BLOCK_T, BLOCK_D)
     s_full = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     z_full = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     over = tl.zeros((BLOCK_T,), dtype=tl.int32)
