@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -17,8 +18,6 @@ def generate_demo(plan="int4", model="smollm2-135m", prompt=None, max_new_tokens
     """Generate with ``plan`` on ``model``; print the text and the cache bytes next to the
     full-precision cache this model holds without kvplan (``DynamicCache`` in the model's dtype:
     float32 on CPU by default) and next to an fp16 cache."""
-    import os
-
     from ..models import load_model
     from ..plans import Plan, is_baseline_name
     from .load import load, unload

@@ -168,9 +168,13 @@ def _check_journal(path: str) -> None:
     import json
 
     from optuna.storages.journal import JournalFileSymlinkLock
-    from optuna.storages.journal._storage import JournalOperation
 
-    op_codes = {int(op) for op in JournalOperation}
+    try:  # Optuna's record kinds (a private name: a later Optuna may move it, then only the shape is checked)
+        from optuna.storages.journal._storage import JournalOperation
+
+        op_codes = {int(op) for op in JournalOperation}
+    except ImportError:
+        op_codes = None
     lock = JournalFileSymlinkLock(path)
     lock.acquire()
     try:
@@ -180,7 +184,8 @@ def _check_journal(path: str) -> None:
                     if not line.endswith(b"\n"):
                         raise ValueError("the line is cut off")
                     record = json.loads(line)
-                    if not isinstance(record, dict) or record.get("op_code") not in op_codes:
+                    op = record.get("op_code") if isinstance(record, dict) else None
+                    if not isinstance(op, int) or (op_codes is not None and op not in op_codes):
                         raise ValueError("not an object with a known op_code")
                 except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
                     raise StorageError(f"--storage {path}: line {number} is not an Optuna journal record "
