@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from .errors import MAX_SEED, KVPlanError
+from .plans._checks import MAX_TOKENS
 
 
 def _cmd_validate(args) -> int:
@@ -123,6 +124,9 @@ def _cmd_search(args) -> int:
     trials = f"{result.n_real_evals} real trials"
     if result.n_study_trials != result.n_real_evals:  # a resume, or other workers of a shared study
         trials += f" by this run ({result.n_study_trials} in the study)"
+    if result.n_non_finite_evals:
+        trials += (f" (and {result.n_non_finite_evals} measurement(s) whose KL was not finite, kept as FAILed "
+                   "trials)")
     print(f"{trials} + {result.n_profile_evals} profile evaluations in {result.elapsed_s:.0f} s; trial history: "
           f"{result.paths.get('trials', '(none)')}")
     if args.storage is None and not args.no_journal and not args.finalize:
@@ -183,6 +187,7 @@ def _int_at_least(minimum: int, maximum: int | None = None):
 
 _positive, _non_negative = _int_at_least(1), _int_at_least(0)
 _seed = _int_at_least(0, MAX_SEED)  # what numpy's and Optuna's generators take
+_context_len = _int_at_least(1, MAX_TOKENS)  # what a plan's budget.reference.context_len takes
 
 
 def _head_units(text: str) -> int | str:
@@ -246,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--task", default="default",
                    help="'default' (offline Python docs) or a JSONL task file (records: history, optional images, "
                         "question, choices, answer), split by record into calibration / validation / test")
-    s.add_argument("--context", type=_positive, default=None, metavar="N",
+    s.add_argument("--context", type=_context_len, default=None, metavar="N",
                    help="context length the budget is stated at (default: the calibration history length)")
     s.add_argument("--samples", type=_positive, default=None,
                    help="calibration samples, the only ones the search sees (default: 12 of the built-in task, "

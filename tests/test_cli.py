@@ -160,6 +160,23 @@ def test_a_seed_numpy_cannot_take_is_one_line_before_any_work(monkeypatch, capsy
     assert f"argument --seed: must be at {'least 0' if seed == '-1' else 'most 4294967295'}, got {seed}" in err
 
 
+def test_a_context_length_no_plan_can_state_is_one_line_before_the_model_loads(monkeypatch, capsys):
+    """--context 99999999999 loaded the model and the task (about 30 s here) before the plan's own check refused
+    budget.reference.context_len."""
+    import kvplan.models
+    from kvplan.cli import main
+
+    def no_work(*a, **k):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(kvplan.models, "load_model", no_work)
+    with pytest.raises(SystemExit) as e:
+        main(["search", "--quiet", "--context", "99999999999"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "argument --context: must be at most 16777216, got 99999999999" in err
+
+
 def test_the_search_api_refuses_a_seed_out_of_range_and_resumes_at_the_largest():
     from kvplan.errors import KVPlanError
     from kvplan.search import search
@@ -362,16 +379,29 @@ def test_search_head_profile_where_no_head_is_profiled_is_refused(capsys, flags)
     assert "--head-profile 5: the profile measures KV heads one by one only" in err and flags[-1] in err
 
 
-def _fake_search(seen=None):
-    """A stand-in for kvplan.search.search that records its keyword arguments in ``seen``."""
+def _fake_search(seen=None, **result):
+    """A stand-in for kvplan.search.search that records its keyword arguments in ``seen``; ``result``: fields
+    of its SearchResult other than the defaults."""
     import types
 
     def fake(**kwargs):
         if seen is not None:
             seen.append(kwargs)
-        return types.SimpleNamespace(finalized_by=None, plans={}, paths={}, n_real_evals=0, n_study_trials=0,
-                                     n_profile_evals=0, elapsed_s=0.0, study=types.SimpleNamespace(study_name="s"))
+        fields = dict(finalized_by=None, plans={}, paths={}, n_real_evals=0, n_study_trials=0, n_profile_evals=0,
+                      n_non_finite_evals=0, elapsed_s=0.0, study=types.SimpleNamespace(study_name="s"))
+        return types.SimpleNamespace(**{**fields, **result})
     return fake
+
+
+def test_search_says_how_many_measurements_were_not_finite(monkeypatch, tmp_path, capsys):
+    """They were counted among the real trials, which then read '29 real trials by this run (20 in the study)'."""
+    import kvplan.search
+    from kvplan.cli import main
+
+    monkeypatch.setattr(kvplan.search, "search", _fake_search(n_real_evals=20, n_study_trials=20, n_non_finite_evals=9))
+    assert main(["search", "--quiet", "--out", str(tmp_path / "p.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "20 real trials (and 9 measurement(s) whose KL was not finite, kept as FAILed trials)" in out
 
 
 def test_search_keeps_its_study_in_a_journal_beside_out_unless_told_not_to(monkeypatch, tmp_path, capsys):
@@ -401,7 +431,7 @@ def test_search_says_who_exported_a_finished_study_and_whether_it_was_written_ag
     from kvplan.cli import main
 
     result = types.SimpleNamespace(finalized_by={"host": "h", "pid": 7}, plans={}, paths=paths, n_real_evals=0,
-                                   n_study_trials=5, n_profile_evals=0, elapsed_s=0.0,
+                                   n_study_trials=5, n_profile_evals=0, n_non_finite_evals=0, elapsed_s=0.0,
                                    study=types.SimpleNamespace(study_name="s"))
     monkeypatch.setattr(kvplan.search, "search", lambda **kw: result)
     assert main(["search", "--quiet", "--no-journal"]) == 0

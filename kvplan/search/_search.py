@@ -131,10 +131,11 @@ class SearchResult:
     profile: dict[str, float] | None
     curve: list[tuple[int, float, float]]  # (n real evals, best KL so far, its bpv) in trial order
     pareto: list[dict]
-    n_real_evals: int
+    n_real_evals: int  # this run's trials (measured, KL finite)
     n_profile_evals: int
     elapsed_s: float
     paths: dict[str, str] = field(default_factory=dict)
+    n_non_finite_evals: int = 0  # this run's measurements whose KL was not finite: FAILed, not trials
     finalized_by: dict | None = None  # who measured and exported the plans, when not this call (``paths``:
     # set when this call wrote that export again at its ``out``, its files having gone missing)
 
@@ -203,6 +204,7 @@ def _key(levels, q) -> tuple:
 # ----------------------------------------------------------------------------- the search
 MAX_DUPLICATE_ASKS = 8  # TPE proposals repairing to known plans before falling back to a mutation
 TRIALS_TARGET_ATTR = "kvplan.trials_target"  # study attr: the largest --trials a worker or resume asked for
+NON_FINITE_ROLE = "non-finite"  # kvplan.role of a FAILed trial whose measured KL was not finite
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,8 @@ class _Searcher:
         self.damage = group_damage(space, self.sens, correction_factor(profile))
         self.features = PlanFeatures(space.shape, space.modalities, with_prior=profile is not None,
                                      with_recent=len(space.recent_lengths) > 1)
-        self.n_evals = 0
+        self.n_evals = 0  # this run's trials measured and told COMPLETE
+        self.n_non_finite = 0  # this run's measurements whose KL was not finite (FAILed trials)
         self.bar = None
         self.hb = heartbeat or Heartbeat(None)
         self.owner = owner or owner_attrs()
@@ -381,14 +384,20 @@ class _Searcher:
         res = self.scorer(plan)
         dt = time.perf_counter() - t0
         kl = float(res["kl"])
-        self.n_evals += 1
+        ok = math.isfinite(kl)
         attrs = {"kvplan.source": source, "kvplan.bpv": bpv, "kvplan.eval_s": dt,
                  "kvplan.metrics": _plain(_metrics_of(res)), "kvplan.key": key}
         if pred is not None:
             attrs["kvplan.pred_log_kl"] = float(pred)
         if extra:
             attrs.update(extra)
-        ok = math.isfinite(kl)
+        if not ok:  # measured, but no trial: recorded FAIL with its plan, counted apart from the trials
+            attrs["kvplan.role"] = NON_FINITE_ROLE
+            self.n_non_finite += 1
+            if self.n_non_finite == 1:
+                warnings.warn(f"kvplan: a plan's calibration KL is {kl} (not finite: overflow in the model's "
+                              f"dtype, or a scorer that failed); it is recorded as a FAILed trial with "
+                              f"kvplan.role '{NON_FINITE_ROLE}' and the search goes on", stacklevel=2)
         values = [kl, bpv] if self.multi else [kl]
         same = isinstance(asked, optuna.Trial) and dict(asked.params) == params
         lost = False
@@ -402,9 +411,10 @@ class _Searcher:
             # the slot is still ours only while the trial holding it runs (another worker fails
             # it when its heartbeat stops, and may then measure it again)
             lost = asked is not None and self.study._storage.get_trial(asked._trial_id).state != TrialState.RUNNING
-            if ok and not lost:
+            if not lost:  # a measurement that failed is kept too, as the FAILed trial of the plan measured
                 self.study.add_trial(optuna.trial.create_trial(
-                    params=params, distributions={k: self.dists[k] for k in params}, values=values,
+                    params=params, distributions={k: self.dists[k] for k in params}, values=values if ok else None,
+                    state=TrialState.COMPLETE if ok else TrialState.FAIL,
                     user_attrs={**attrs, "kvplan.owner": self.owner}))
             if asked is not None:
                 self._drop(asked, "repaired" if isinstance(asked, optuna.Trial) else "reservation")
@@ -412,7 +422,10 @@ class _Searcher:
             warnings.warn(f"kvplan: trial {asked.number} was failed by another worker while this one evaluated it "
                           "(heartbeat late: raise --grace-period); its result is dropped")
             return None
-        self._progress(kl, bpv)
+        if ok:
+            self.n_evals += 1
+        if ok:
+            self._progress(kl, bpv)
         return kl, bpv
 
     def _progress(self, kl, bpv):
@@ -560,7 +573,7 @@ class _Searcher:
             self.bar = tqdm(total=self.n_trials, initial=min(n0, self.n_trials), desc="kvplan search",
                             unit="trial", dynamic_ncols=True)
         try:
-            stall = 0
+            stall, failed_at_stall = 0, self.n_non_finite
             while True:
                 if self.persistent:
                     fail_orphaned_trials(self.study)  # a dead worker's trials go back to the queue
@@ -568,7 +581,9 @@ class _Searcher:
                     if self.check_identity is not None:
                         self.check_identity(attrs)  # two first workers with other setups wrote at once
                     if attrs.get("kvplan.exhausted"):
-                        self._warn_short("a worker of this study found no new plan to propose before")
+                        self._warn_short("a worker of this study found no new plan to propose before (few plans "
+                                         "fit the budget in this search space, or the proposals keep landing on "
+                                         "measured ones)")
                         break
                 n = self.complete_count()
                 if n >= self.n_trials:
@@ -587,11 +602,19 @@ class _Searcher:
                 if self.bar is not None:
                     self.bar.n = min(self.complete_count(), self.n_trials)
                     self.bar.refresh()
-                stall = stall + 1 if self.complete_count() == n else 0
+                if self.complete_count() != n:
+                    stall, failed_at_stall = 0, self.n_non_finite
+                else:
+                    stall += 1
                 if stall > 20:
                     if self.persistent:
                         self.study.set_user_attr("kvplan.exhausted", True)
-                    self._warn_short("21 rounds in a row proposed no plan that is not measured already")
+                    failed = self.n_non_finite - failed_at_stall
+                    self._warn_short(f"21 rounds in a row measured no plan with a finite KL ({failed} plans measured, "
+                                     "each KL not finite: see the first warning)" if failed else
+                                     "21 rounds in a row proposed no plan that is not measured already (few plans "
+                                     "fit the budget in this search space, or the proposals keep landing on "
+                                     "measured ones)")
                     break  # the space is exhausted (tiny spaces), or every proposal repairs onto a measured plan
         except BaseException:
             self._give_back_held()
@@ -605,9 +628,7 @@ class _Searcher:
         smaller count as if asked for)."""
         n = self.complete_count()
         if n < self.n_trials:
-            warnings.warn(f"kvplan: the search stops at {n} of the {self.n_trials} trials asked: {why} (few plans "
-                          "fit the budget in this search space, or the proposals keep landing on measured ones)",
-                          stacklevel=2)
+            warnings.warn(f"kvplan: the search stops at {n} of the {self.n_trials} trials asked: {why}", stacklevel=2)
 
     def _give_back_held(self) -> None:
         """On an interruption (Ctrl-C, an error): fail the trials this worker holds and put its evaluations
@@ -1213,7 +1234,8 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
                 f"{describe(final.get('paths', {}).get('plan'))}")
     return SearchResult(plan=plans[min(plans)], plans=plans, study=study, space=space, budgets=budgets, profile=prof,
                         curve=curve, pareto=front, n_real_evals=s.n_evals, n_profile_evals=n_profile_evals,
-                        elapsed_s=time.perf_counter() - t_start, paths=paths, finalized_by=finalized_by)
+                        elapsed_s=time.perf_counter() - t_start, paths=paths, finalized_by=finalized_by,
+                        n_non_finite_evals=s.n_non_finite)
 
 
 def _split_identity(scorer) -> str | None:
@@ -1256,7 +1278,10 @@ def _finalize(*, study, space, s, budgets, multi, granularity, seed, study_name,
 
     done = sorted(s.complete(), key=lambda t: t.number)
     if not done:
-        raise KVPlanError("the search finished without any successful evaluation")
+        failed = sum(t.user_attrs.get("kvplan.role") == NON_FINITE_ROLE
+                     for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
+        raise KVPlanError("the search finished without any successful evaluation" + (
+            f": the KL of each of the {failed} plans measured was not finite" if failed else ""))
     curve, front = _curve_and_front(done)
     run_id = uuid.uuid4().hex[:16]
     plans: dict[float, Plan] = {}

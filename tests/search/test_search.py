@@ -425,3 +425,45 @@ def test_a_rerun_with_another_profile_setting_gets_its_own_study(tmp_path):
     assert units.study.study_name not in (on.study.study_name, off.study.study_name)
     again = search(scorer=SyntheticScorer(), profile=True, n_trials=8, **kw)  # the same setup resumes its study
     assert again.study.study_name == on.study.study_name and again.n_real_evals == 0
+
+
+class NonFiniteEvery(SyntheticScorer):
+    """Every ``every``-th trial measurement returns a NaN KL (an fp16 overflow, a failing scorer)."""
+
+    def __init__(self, every, **kw):
+        super().__init__(**kw)
+        self.every, self.trial_calls, self.nan = every, 0, 0
+
+    def __call__(self, plan):
+        res = super().__call__(plan)
+        if plan.provenance.produced_by.endswith("profile"):
+            return res
+        self.trial_calls += 1
+        if self.trial_calls % self.every:
+            return res
+        self.nan += 1
+        return {**res, "kl": float("nan")}
+
+
+def test_a_measurement_whose_kl_is_not_finite_is_kept_as_a_failed_trial_and_not_counted_as_one():
+    """A NaN KL was counted among the run's real trials (29 'real trials by this run (20 in the study)' below),
+    and when repair had changed the asked plan, nothing in the study said that plan was measured and failed."""
+    sc = NonFiniteEvery(3)
+    with pytest.warns(UserWarning, match="calibration KL is nan"):
+        r = search(budget="2.8bpv", n_trials=20, seed=0, scorer=sc, **FAST)
+    assert sc.nan > 0 and sc.trial_calls == 20 + sc.nan
+    assert r.n_real_evals == 20 == len(r.study.get_trials(states=(TrialState.COMPLETE,)))
+    assert r.n_non_finite_evals == sc.nan
+    failed = [t for t in r.study.get_trials(states=(TrialState.FAIL,))
+              if t.user_attrs.get("kvplan.role") == "non-finite"]
+    assert len(failed) == sc.nan
+    for t in failed:  # each the plan that was measured, within the budget
+        assert r.space.plan_of(t.params, r.plan.reference).bpv().total == pytest.approx(t.user_attrs["kvplan.bpv"])
+        assert t.user_attrs["kvplan.bpv"] <= 2.8 + 1e-9
+    assert any(not t.user_attrs["kvplan.source"].startswith(("knapsack", "greedy", "baseline")) for t in failed)
+
+
+def test_a_search_whose_every_kl_is_not_finite_says_so():
+    with pytest.warns(UserWarning, match="measured no plan with a finite KL"):
+        with pytest.raises(KVPlanError, match="the KL of each of the 21 plans measured was not finite"):
+            search(budget="2.8bpv", n_trials=20, seed=0, scorer=NonFiniteEvery(1), **FAST)
