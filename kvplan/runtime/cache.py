@@ -362,12 +362,37 @@ class KVPlanLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def check_crop(self, n: int) -> None:
-        """Refuse to remove ``n`` newest tokens when some of them are no longer in the residual."""
-        if n and self.is_initialized and n > self.residual["k"].length:
+        """Refuse to remove the ``n`` newest tokens unless what is left is what the plan stores at that length
+        (``plans.accounting``): tokens that are no longer in the residual, a residual left with fewer than the
+        plan's ``residual_length`` unquantized tokens (a commit cannot be undone), or a sliding-window layer
+        whose freed tokens attention would need again (as transformers' ``DynamicSlidingWindowLayer``
+        refuses to crop once its window is full)."""
+        if not n or not self.is_initialized:
+            return
+        if n > self.residual["k"].length:
             raise CacheError(
                 f"layer {self.layer_idx}: cannot remove {n} tokens; only the {self.residual['k'].length} newest "
                 "(the residual) can be removed, older ones are already quantized"
             )
+        q, origin, total = self.owner.plan.quantizer, self.owner.grid_origin, self.get_seq_length()
+
+        def keeps_layout(removed: int) -> bool:
+            left = total - removed
+            return (committed_length(left, q.residual_length, q.group_size, origin) >= self.committed
+                    and (self.window is None or sliding_kept_start(left, self.window, q.group_size, origin)
+                         >= self.dropped))
+
+        if keeps_layout(n):
+            return
+        most = next(m for m in range(n - 1, -1, -1) if keeps_layout(m))
+        if committed_length(total - n, q.residual_length, q.group_size, origin) < self.committed:
+            why = (f"at {total - n} tokens the plan keeps its newest {q.residual_length} unquantized, and "
+                   f"tokens up to position {self.committed - 1} are already quantized")
+        else:
+            why = (f"its sliding window of {self.window} at {total - n} tokens reaches back before position "
+                   f"{self.dropped}, and the tokens before it are already freed")
+        raise CacheError(f"layer {self.layer_idx}: cannot remove {n} tokens: {why}; at most {most} can be removed "
+                         "now")
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -739,8 +764,9 @@ class KVPlanCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the ``-tokens_to_remove`` newest tokens (transformers' ``Cache.crop``), which must still
-        be in every layer's residual; their modality labels go with them, so the next prompt's tokens
-        at those positions are labelled anew. Nothing is removed when a layer cannot remove them."""
+        be in every layer's residual, leaving what the plan stores at the shorter length (see the layers'
+        ``check_crop``); their modality labels go with them, so the next prompt's tokens at those positions
+        are labelled anew. Nothing is removed when a layer cannot remove them."""
         for layer in self.layers:  # (a positive count is refused by the layers' crop, before any change)
             layer.check_crop(-tokens_to_remove)
         super().crop(tokens_to_remove)

@@ -123,6 +123,40 @@ def test_crop_only_within_residual():
         layer.crop(-30)
 
 
+def test_a_crop_that_would_leave_a_layout_the_plan_does_not_store_is_refused():
+    """With residual_length 16 and groups of 32, 60 tokens hold 32 quantized and 28 unquantized. Cropping 20 was
+    accepted: at 40 tokens the plan keeps all 40 unquantized (residual 16 + less than a group), but the cache still
+    held 32 quantized, so its bytes and its newest tokens' precision were no longer the plan's. A crop that keeps
+    the plan's layout is still taken, and the cache then holds exactly ``plan.bpv(T)``."""
+    plan = baseline_plan("int4", GEOM, residual_length=16)
+    cache = KVPlanCache(plan)
+    for layer in cache.layers:
+        layer.update(*_states(60, 0))
+    with pytest.raises(CacheError, match="layer 0: cannot remove 13 tokens: at 47 tokens the plan keeps its newest "
+                                         "16 unquantized.* at most 12 can be removed now"):
+        cache.crop(-13)
+    assert cache.get_seq_length() == 60  # nothing removed
+    cache.crop(-12)
+    assert cache.get_seq_length() == 48
+    assert cache.bpv() == pytest.approx(plan.bpv(context_len=48, full_precision_bits=32).total, rel=1e-12)
+
+
+def test_a_sliding_layer_refuses_a_crop_into_the_tokens_its_window_freed():
+    """A sliding-window layer frees whole groups once they leave its window. Cropping 2 of 71 tokens (window 40,
+    groups of 32, positions 0..31 freed) was accepted: at 69 tokens attention reaches back to position 30, which
+    was gone, so the next token attended to fewer tokens than transformers' own cache holds, and the cache held
+    more bytes than ``plan.bpv(69)``. transformers' ``DynamicSlidingWindowLayer`` refuses such a crop too."""
+    model = tiny_llama(model_type="mistral", sliding_window=40)
+    plan = baseline_plan("int4", Geometry.of(model), residual_length=0)
+    ids = torch.randint(3, 250, (1, 70), generator=torch.Generator().manual_seed(0))
+    cache = generated_cache(model, plan, ids, max_new_tokens=2)  # 71 tokens stored (the last is not fed back)
+    assert cache.get_seq_length() == 71 and cache.layers[0].dropped == 32
+    with pytest.raises(CacheError, match="sliding window of 40 at 69 tokens reaches back before position 32.* at "
+                                         "most 0 can be removed now"):
+        cache.crop(-2)
+    assert cache.get_seq_length() == 71
+
+
 def test_wrong_geometry_rejected():
     plan = baseline_plan("int4", Geometry(3, 2, 16, ("full",) * 3, "llama"))
     with pytest.raises(PlanError, match="model.num_layers"):
