@@ -65,6 +65,9 @@ class KVPlanError(Exception):
         return one_line(super().__str__(), MAX_MESSAGE_CHARS)
 
 
+FILE_PATH = "<file>"  # PlanError.path of a problem of the whole plan file (unreadable, too large, not UTF-8)
+
+
 class PlanError(KVPlanError, ValueError):
     """A plan is malformed or does not fit the model.
 
@@ -81,8 +84,9 @@ class PlanError(KVPlanError, ValueError):
         self.show_value = show_value
         where = f"{one_line(str(source), MAX_NAME_CHARS)}: " if source else ""
         got = f" (got {describe(value)})" if show_value else ""
-        super().__init__(f"{where}{one_line(str(path), MAX_NAME_CHARS)}: "
-                         f"{one_line(str(problem), MAX_PROBLEM_CHARS)}{got}")
+        # a problem of the whole file (FILE_PATH) is said of the file: "plan.yaml: cannot read plan file: ..."
+        key = "" if path == FILE_PATH and source else f"{one_line(str(path), MAX_NAME_CHARS)}: "
+        super().__init__(f"{where}{key}{one_line(str(problem), MAX_PROBLEM_CHARS)}{got}")
 
     def with_source(self, source: str) -> "PlanError":
         return PlanError(self.path, self.problem, self.value, source, show_value=self.show_value)

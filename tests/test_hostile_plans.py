@@ -177,6 +177,8 @@ def test_files_refused_with_their_size_before_parsing(tmp_path):
     err = pytest.raises(PlanError, Plan.from_yaml, big).value
     assert time.perf_counter() - t0 < 1.0
     assert err.path == "<file>" and "16.0 MiB" in str(err) and "at most 16 MiB" in str(err)
+    # was "big.yaml: <file>: cannot read plan file: big.yaml: <file>: is 16.0 MiB; ..."
+    assert str(err) == f"{big}: is 16.0 MiB; plan files may be at most 16 MiB"
     if os.path.exists("/dev/zero"):  # st_size 0: the bound holds while reading
         assert "at most 16 MiB" in str(pytest.raises(PlanError, Plan.from_yaml, "/dev/zero").value)
 
@@ -190,6 +192,7 @@ def test_unreadable_plan_paths(tmp_path, make, words):
     path = make(tmp_path)
     err = pytest.raises(PlanError, Plan.from_yaml, str(path)).value
     assert err.source == str(path) and words in str(err)
+    assert str(err).startswith(f"{path}: ") and "<file>" not in str(err)  # was "<path>: <file>: ..."
     assert_one_clean_line(err)
 
 

@@ -9,7 +9,7 @@ import tempfile
 import time
 from typing import Mapping
 
-from ..errors import KVPlanError, PlanError
+from ..errors import FILE_PATH, KVPlanError, PlanError
 
 MAX_PLAN_BYTES = 16 * 2 ** 20  # larger files are refused before they are parsed
 
@@ -101,7 +101,7 @@ def check_not_inputs(outputs: Mapping[str, object], inputs: Mapping[str, object]
 
 
 def _too_large(size: int, source: str | None) -> PlanError:
-    return PlanError("<file>", f"is {size / 2 ** 20:.1f} MiB; plan files may be at most {MAX_PLAN_BYTES // 2 ** 20} MiB",
+    return PlanError(FILE_PATH, f"is {size / 2 ** 20:.1f} MiB; plan files may be at most {MAX_PLAN_BYTES // 2 ** 20} MiB",
                      show_value=False, source=source)
 
 
@@ -114,11 +114,13 @@ def read_plan_bytes(path) -> bytes:
             if size > MAX_PLAN_BYTES:
                 raise _too_large(size, source)
             data = f.read(MAX_PLAN_BYTES + 1)  # st_size is 0 for pipes and /dev files
+    except PlanError:  # too large (a ValueError too, not one of open's)
+        raise
     except OSError as e:
-        raise PlanError("<file>", f"cannot read plan file: {e.strerror or e}", show_value=False,
+        raise PlanError(FILE_PATH, f"cannot read plan file: {e.strerror or e}", show_value=False,
                         source=source) from None
     except ValueError as e:  # a NUL in the path
-        raise PlanError("<file>", f"cannot read plan file: {e}", show_value=False, source=source) from None
+        raise PlanError(FILE_PATH, f"cannot read plan file: {e}", show_value=False, source=source) from None
     if len(data) > MAX_PLAN_BYTES:
         raise _too_large(len(data), source)
     return data
@@ -129,7 +131,7 @@ def decode_plan_bytes(data: bytes, source: str | None) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise PlanError("<file>", f"is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} ({e.reason})",
+        raise PlanError(FILE_PATH, f"is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} ({e.reason})",
                         show_value=False, source=source) from None
 
 

@@ -20,14 +20,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import PlanError
+from ..errors import FILE_PATH, PlanError
 from ..kernels.qtypes import FULL_PRECISION_BITS
 from ..kernels.rotation import hadamard_fits
 from ..models.geometry import Geometry
 from ..models.modality import TOKEN_IDS_NAME
 from . import accounting
-from ._checks import (DEFAULT_MODALITY, KINDS, MAX_DEPTH, MAX_KV_UNITS, MAX_MODALITIES, SCHEMA_VERSION, STREAMED,
-                      check_choice, check_int, check_str, is_num, key_path, split_codes)
+from ._checks import (DEFAULT_MODALITY, KINDS, MAX_DEPTH, MAX_KV_UNITS, MAX_MODALITIES, MAX_TOKENS, SCHEMA_VERSION,
+                      STREAMED, check_choice, check_int, check_str, is_num, key_path, split_codes)
 from ._compress import compress, flat_rules
 from ._fields import PLAN_BITS, BitRule, Provenance, QuantizerSettings, Reference, check_correction_rank
 from ._files import atomic_write_text, check_size, decode_plan_bytes, read_plan_bytes
@@ -137,6 +137,12 @@ class Plan:
         reference length with no mix given, the measured ``reference.layout`` when there is one).
         """
         ref = self.reference
+        if context_len is not None:  # a numpy integer (a length read off an array) is a whole number too
+            context_len = check_int(int(context_len) if isinstance(context_len, np.integer) else context_len,
+                                    "context_len", 1, MAX_TOKENS)
+        if full_precision_bits is not None:
+            full_precision_bits = check_choice(int(full_precision_bits) if isinstance(full_precision_bits, np.integer)
+                                               else full_precision_bits, "full_precision_bits", (16, 32))
         return accounting.plan_bpv(
             self,
             geometry or self.geometry,
@@ -323,7 +329,7 @@ class Plan:
         check_size(text, source)
         data = parse_plan_yaml(text, source)
         if source is None and "\n" not in text and isinstance(data, str) and data == text.strip():
-            raise PlanError("<file>", "no such plan file (nor the YAML text of a plan)", show_value=False, source=data)
+            raise PlanError(FILE_PATH, "no such plan file (nor the YAML text of a plan)", show_value=False, source=data)
         return cls.from_dict(data, source=source)
 
 

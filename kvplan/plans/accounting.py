@@ -303,6 +303,8 @@ def plan_bpv(plan, geometry, context_len: int, modality_mix, full_precision_bits
     committed = [(lab, start, min(length, C - start)) for lab, start, length in runs if start < C]
     parts = _runs_bytes(plan, geometry, T, committed, 1, full_precision_bits // 8)
     n_values = geometry.num_kv_heads * 2 * geometry.head_dim * stored_tokens(geometry, context_len, q.group_size)
+    if n_values == 0:  # every layer's window has freed every token (a window of 1): nothing stored, as the cache says
+        return BpvBreakdown(0.0, 0.0, 0.0, 0.0)
     return BpvBreakdown(8 * sum(parts.values()) / n_values,
                         *(8 * parts[k] / n_values for k in ("payload", "scales_zeros", "residual", "correction")))
 

@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from ..errors import CacheError, PlanError
+from ..errors import FILE_PATH, CacheError, PlanError
 from ..models.geometry import Geometry, storage_bits, text_config
 from ..models.modality import Labelling, resolve_labelling
 from ..models.rope import rope_inv_freq
@@ -35,7 +35,7 @@ def resolve_plan(plan, model_or_geometry, labelling: Labelling | None = None) ->
         resolved = baseline_plan(plan, geometry, modalities=labelling.modalities(_config(model_or_geometry)),
                                  labelling=labelling.name, **at_model_width(model_or_geometry))
     elif isinstance(plan, (str, os.PathLike)) and os.fspath(plan).endswith((".yaml", ".yml")):
-        raise PlanError("<file>", "plan file not found", os.fspath(plan))
+        raise PlanError(FILE_PATH, "plan file not found", show_value=False, source=os.fspath(plan))
     else:
         raise PlanError("plan", f"expected a Plan, a YAML file path or a baseline name {sorted(BASELINES)}", plan)
     resolved.check_geometry(geometry, source=source)

@@ -152,3 +152,32 @@ def test_sink_tokens_cost_full_precision():
     # keys per channel: the first key group still needs its scales; values per token lose one token's scales
     per_token = 2 * 64 * 2 - (2 * 64 * 2 // 8 + 4)  # 16-bit K and V instead of 2-bit K and V codes + V scale/zero
     assert (b1 - b0) * 2 * 512 * 64 / 8 == pytest.approx(per_token, rel=1e-12)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(context_len=0), r"context_len: must be in \[1, 16777216\] \(got 0\)"),  # was a ZeroDivisionError
+    (dict(context_len=-5), r"context_len: must be in \[1, 16777216\] \(got -5\)"),  # was -0.0 bpv
+    (dict(context_len=1.5), r"context_len: must be an integer \(got 1.5\)"),  # was 16.0 bpv
+    (dict(context_len=64, full_precision_bits=12), r"full_precision_bits: must be one of \[16, 32\] \(got 12\)"),
+])
+def test_plan_bpv_refuses_a_length_or_storage_width_no_cache_can_have(kwargs, message):
+    """Out-of-range arguments were computed (or divided by zero) instead of refused; a numpy length still counts."""
+    from kvplan import PlanError
+
+    plan = uniform_plan(GEOM, 2, group_size=32, residual_length=0)
+    with pytest.raises(PlanError, match=message):
+        plan.bpv(**kwargs)
+    assert plan.bpv(context_len=np.int64(64)).total == plan.bpv(context_len=64).total
+
+
+def test_a_model_whose_windows_keep_no_token_stores_zero_bits_as_its_cache_says():
+    """A sliding window of 1 frees every committed group: plan.bpv divided 0 bytes by 0 values (ZeroDivisionError,
+    also inside kvplan.load's storage check) where the cache reports 0.0."""
+    geometry = Geometry(2, 2, 64, ("sliding", "sliding"), "mistral", sliding_window=1)
+    plan = uniform_plan(geometry, 2, group_size=32, residual_length=0)
+    cache = KVPlanCache(plan)
+    g = torch.Generator().manual_seed(0)
+    for layer in cache.layers:
+        layer.update(torch.randn(1, 2, 64, 64, generator=g), torch.randn(1, 2, 64, 64, generator=g))
+    assert cache.bpv() == 0.0 == plan.bpv(context_len=64, full_precision_bits=32).total
+    assert plan.bpv(context_len=33, full_precision_bits=32).total > 0  # the newest token is still held
