@@ -145,10 +145,9 @@ def _cmd_explain(args) -> int:
 
 def _cmd_eval(args) -> int:
     from .evaluation import run_eval
-    from .evaluation.runs import resolve_sample_count
 
-    samples = resolve_sample_count(args.task, args.samples)  # the split is checked once the seed is known
-    run_eval(args.plan, model=args.model, task=args.task, split=args.split, samples=samples, out=args.out,
+    # the split is checked once the seed is known; without --samples, as many as the plan's search measured
+    run_eval(args.plan, model=args.model, task=args.task, split=args.split, samples=args.samples, out=args.out,
              seed=args.seed, history_tokens=args.history_tokens, eval_tokens=args.eval_tokens, progress=not args.quiet)
     return 0
 
@@ -207,7 +206,7 @@ def _add_task_args(p: argparse.ArgumentParser) -> None:
                         "record of a JSONL task)")
     p.add_argument("--samples", type=_positive, default=None,
                    help="samples of the split (default: 16 of the built-in task, every record of a JSONL task's "
-                        "split, as kvplan search measures them)")
+                        "split, as kvplan search measures them; eval: as many as the plan's search measured)")
     p.add_argument("--history-tokens", type=_positive, default=None,
                    help="the built-in task's history length (default 512; eval: the plan's search's)")
     p.add_argument("--eval-tokens", type=_positive, default=None,

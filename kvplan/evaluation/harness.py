@@ -43,7 +43,7 @@ import torch
 from ..errors import KVPlanError
 from ..models.geometry import text_config
 from ..models.modality import TOKEN_IDS, Labelling, resolve_labelling
-from ..plans import KINDS, Plan, plan_bytes
+from ..plans import KINDS, Plan, committed_length, plan_bytes
 from ..runtime.cache import KVPlanCache
 from ..runtime.heavy import recording_window_queries
 from ..runtime.load import attention_route, check_modalities, make_cache, resolve_plan
@@ -415,6 +415,25 @@ def check_quantized(stats: dict, expect: Iterable[tuple[str, str]] | None, where
                 f"quantized zero of its tokens (history has {present} {mod!r} tokens of "
                 f"{stats['history_tokens']}; tokens inside the full-precision residual or the trailing partial "
                 "group are never quantized)")
+
+
+def check_commits_any(plan: Plan, samples: Sequence[Sample], where: str = "") -> None:
+    """Raise :class:`ProtocolError` before any measurement when ``samples``' histories commit no token of a
+    ``(kind, modality)`` the plan quantizes (:func:`intended_quantized`): each history of ``T`` tokens holds
+    only its oldest ``committed_length(T)`` in the plan's groups, the rest in the residual or the trailing
+    partial group. What :func:`check_quantized` would say after the run, said before it."""
+    q = plan.quantizer
+    committed = Counter()
+    for s in samples:
+        committed.update(s.history_labels[:committed_length(len(s.history_ids), q.residual_length, q.group_size)])
+    for kind, mod in intended_quantized(plan):
+        if not committed[mod]:
+            lengths = sorted({len(s.history_ids) for s in samples})
+            raise ProtocolError(
+                f"{where}condition meant to quantize {'keys' if kind == 'k' else 'values'} of modality {mod!r} "
+                f"would quantize zero of its tokens: histories of {lengths[0]}"
+                f"{f' to {lengths[-1]}' if len(lengths) > 1 else ''} tokens commit none at group_size "
+                f"{q.group_size} + residual_length {q.residual_length} (use longer histories)")
 
 
 def intended_quantized(plan: Plan) -> list[tuple[str, str]]:

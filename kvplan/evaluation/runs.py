@@ -9,13 +9,16 @@ import os
 import time
 from typing import Any
 
+import numpy as np
+
 from ..models.geometry import Geometry
 from ..plans import Plan, is_baseline_name
 from ..plans._files import check_not_inputs, check_writable, existing_path
 from .baselines import evaluate_peer, head_sensitivity, headguard_from_sensitivity, named_plan, parse_peer
-from .harness import evaluate, prepare_samples
+from .harness import check_commits_any, evaluate, prepare_samples
 from .sweep import SWEEP_BITS, format_layers, format_ratios, format_table, sweep_prepared, write_sweep
-from .tasks import DEFAULT_EVAL_TOKENS, DEFAULT_HISTORY_TOKENS, check_task, pad_token_id, task_samples
+from .tasks import (DEFAULT_EVAL_TOKENS, DEFAULT_HISTORY_TOKENS, canonical_split, check_task, pad_token_id,
+                    task_samples)
 
 _MODELS: dict[tuple, Any] = {}
 
@@ -99,9 +102,10 @@ def run_eval(plan_or_baseline, model="smollm2-135m", task: str = "default", spli
     INT2), or a transformers QuantizedCache peer ``quanto-int2`` / ``hqq-int4``... ``samples``:
     default 16 of the built-in task, every record of a JSONL task's split (as the search measures it).
     ``history_tokens`` / ``eval_tokens``: the built-in task's (a JSONL record sets its own). ``seed``
-    (how a JSONL task's records and the built-in task's topics are split) and the two lengths default
-    to the plan's search's (``metrics.search``) when the plan was searched on this task, so a plan is
-    measured on its own test split, else to 0, 512 and 32.
+    (how a JSONL task's records and the built-in task's topics are split), the two lengths and ``samples``
+    default to the plan's search's (``metrics.search``, and ``metrics.<split>.n_samples``) when the plan
+    was searched on this task, so a plan is measured on its own test samples, else to 0, 512, 32 and the
+    default count.
     """
     with _threads(num_threads):
         return _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_tokens, eval_tokens,
@@ -159,6 +163,21 @@ def eval_settings(plan: Plan | None, task: str, seed: int | None, history_tokens
     return settings, from_plan
 
 
+def eval_sample_count(plan: Plan | None, task: str, split: str, samples: int | None) -> tuple[int | None, bool]:
+    """``(samples, taken from the plan)``: ``samples`` given, else the count ``plan``'s search measured
+    ``split`` on (``metrics.<split>.n_samples``, e.g. ``kvplan search --test-samples 2``) when it searched
+    this ``task``, else the default (:func:`resolve_sample_count`)."""
+    if samples is not None:
+        return samples, False
+    search = (plan.metrics.get("search") if plan is not None else None) or {}
+    recorded = search.get("task") if isinstance(search.get("task"), dict) else {}
+    measured = plan.metrics.get(canonical_split(split)) if recorded.get("name") == os.fspath(task) else None
+    n = measured.get("n_samples") if isinstance(measured, dict) else None
+    if isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 1 and float(n).is_integer():
+        return int(n), True
+    return resolve_sample_count(task, None), False
+
+
 def _token_lengths(samples) -> dict[str, int | dict[str, float]]:
     """``history_tokens`` / ``eval_tokens`` the samples hold: one number when every sample holds the same
     (the built-in task's settings), else their ``min`` / ``mean`` / ``max`` (a JSONL task's records)."""
@@ -181,6 +200,10 @@ def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_
     plan = _check_eval_arguments(plan_or_baseline, model, task, out)
     settings, from_plan = eval_settings(plan, task, seed, history_tokens, eval_tokens)
     seed, history_tokens, eval_tokens = settings["seed"], settings["history_tokens"], settings["eval_tokens"]
+    samples, samples_from_plan = eval_sample_count(plan, task, split, samples)
+    if samples_from_plan:
+        settings["samples"] = samples
+        from_plan.append("samples")
     if from_plan and verbose:
         print(f"kvplan eval: {', '.join(f'{n} {settings[n]}' for n in from_plan)} as the plan's search drew its "
               "splits (pass them to override)")
@@ -196,6 +219,12 @@ def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_
         if plan == "headguard":
             bulk = [x for x in mods if x != "text"]
             bulk_mod = bulk[0] if bulk else "text"
+            # its quantizer does not depend on the heads it protects: histories that commit nothing are said
+            # before the head profile's minutes of evaluations, not after them
+            g = Geometry.of(m)
+            unprotected = headguard_from_sensitivity(m, np.zeros((g.num_layers, g.num_kv_heads)), modalities=mods,
+                                                     protected_modality=bulk_mod)
+            check_commits_any(unprotected, ss, "headguard: ")
             cal = task_samples(task, m, proc, split="calibration", n=min(len(ss), 8), seed=seed, **kw)
             cprep = prepare_samples(m, cal, pad_id=pad_token_id(proc), progress=progress)
             sens = head_sensitivity(m, cprep, modality=bulk_mod, progress=progress)

@@ -249,3 +249,44 @@ def test_eval_settings_default_to_the_plans_search_on_the_same_task_only():
     assert eval_settings(searched, "mine.jsonl", None, None, None) == (plain, [])  # searched on another task
     assert eval_settings(plan, "default", None, None, None) == (plain, [])  # no search recorded
     assert eval_settings(None, "default", None, None, None) == (plain, [])  # a baseline
+
+
+def test_eval_measures_as_many_samples_as_the_plans_search_did():
+    """A plan searched with --test-samples 2 recorded metrics.test on 2 samples, and `kvplan eval plan.yaml` (said
+    to re-measure metrics.test) measured 16: KL 0.0415 against the recorded 0.0653 (0.0653 with --samples 2)."""
+    from kvplan.evaluation.runs import eval_sample_count
+
+    plan = uniform_plan(Geometry(2, 2, 64, ("full", "full"), "llama"), 4, modalities=MODS)
+    searched = plan.replace(metrics={"search": {"seed": 0, "task": {"name": "default"}},
+                                     "test": {"kl": 0.06, "n_samples": 2.0}, "validation": {"n_samples": 3}})
+    assert eval_sample_count(searched, "default", "test", None) == (2, True)
+    assert eval_sample_count(searched, "default", "heldout", None) == (2, True)  # the test split's old name
+    assert eval_sample_count(searched, "default", "validation", None) == (3, True)
+    assert eval_sample_count(searched, "default", "test", 5) == (5, False)  # given wins
+    assert eval_sample_count(searched, "mine.jsonl", "test", None) == (None, False)  # another task: every record
+    assert eval_sample_count(plan, "default", "test", None) == (16, False)  # no search recorded
+    assert eval_sample_count(None, "default", "test", None) == (16, False)  # a baseline
+    odd = searched.replace(metrics={**searched.metrics, "test": {"n_samples": 2.5}})
+    assert eval_sample_count(odd, "default", "test", None) == (16, False)
+
+
+def test_eval_headguard_says_before_its_head_profile_that_its_histories_commit_nothing(monkeypatch):
+    """`kvplan eval headguard --history-tokens 128` ran its 180-evaluation head profile (2.5 min here) before the
+    harness found that 128-token histories commit no token under its group 32 + residual 128; a baseline such as
+    k4v2-g64 failed at once. The quantizer does not depend on the protected heads, so it is said first."""
+    import kvplan.evaluation.runs as runs
+    from kvplan.evaluation.harness import Sample, check_commits_any
+
+    def no_profile(*a, **k):
+        raise AssertionError("the head profile ran")
+
+    monkeypatch.setattr(runs, "head_sensitivity", no_profile)
+    with pytest.raises(ProtocolError, match="headguard: condition meant to quantize keys of modality 'text' would "
+                                            "quantize zero of its tokens: histories of 128 tokens commit none at "
+                                            "group_size 32 \\+ residual_length 128"):
+        runs.run_eval("headguard", samples=1, history_tokens=128, progress=False, verbose=False)
+    plan = uniform_plan(Geometry(2, 2, 64, ("full", "full"), "llama"), 2, group_size=32, residual_length=128)
+    short = Sample(list(range(159)), ["text"] * 159, [1, 2])
+    with pytest.raises(ProtocolError, match="histories of 159 tokens commit none"):
+        check_commits_any(plan, [short])
+    check_commits_any(plan, [short, Sample(list(range(160)), ["text"] * 160, [1, 2])])  # 32 committed

@@ -84,7 +84,9 @@ def test_eval_defaults_to_the_split_the_search_measured(tmp_path, monkeypatch, c
     task = str(_text_task(tmp_path / "docs.jsonl"))
     assert main(["eval", "int4", "--task", task, "--quiet"]) == 0
     assert main(["eval", "int4", "--eval-tokens", "8", "--quiet"]) == 0
-    assert seen[0]["samples"] is None and seen[1]["samples"] == 16 and seen[1]["eval_tokens"] == 8
+    # without --samples run_eval takes the plan's search's count, else the default (16 of the built-in task)
+    assert seen[0]["samples"] is None and seen[1]["samples"] is None and seen[1]["eval_tokens"] == 8
+    assert resolve_sample_count("default", None) == 16
     model, tok = get_model()
     n = len(task_samples(task, model, tok, split="test", n=resolve_sample_count(task, None)))
     assert n == len(split_records(read_jsonl(task), "test"))
