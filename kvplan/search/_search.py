@@ -37,7 +37,9 @@ The flow (one worker; several workers run the same loop on one shared study):
    the surrogate screened out are told ``FAIL`` with ``kvplan.role = "screened"`` and the
    predicted log-KL: TPE ignores failed trials, so they neither count nor bias it, and the
    record of what was screened stays in the study. Mutation candidates that are not chosen
-   are never asked (so they leave no trace).
+   are never asked (so they leave no trace). A measurement whose KL is not finite (an overflow in the
+   model's dtype, a failing scorer) is a ``FAIL`` trial of the plan measured, ``kvplan.role = "non-finite"``,
+   counted apart from the real trials (``SearchResult.n_non_finite_evals``; the first one is warned about).
 
 5. **Result** (once per study, by the first worker to find it complete, or by
    ``finalize=True``). Best COMPLETE trial (single objective), or the Pareto front of (KL, bpv)
@@ -860,6 +862,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                                    ("eval_tokens", eval_tokens, 1)):
             if value is not None and not is_whole_number(value, least):
                 raise KVPlanError(f"{name}={value!r}: must be an integer of at least {least}")
+        warned_budgets: list[bool] = []
         if scorer is None:
             from ..evaluation.parallel import default_processes
             from .scorers import task_scorers
@@ -868,6 +871,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
                 """An unreachable budget is refused before the (slow) full-precision prefills."""
                 check_budgets(budgets, task_geometry, _stated_at(reference or task_reference, context_len),
                               task_modalities, granularity, **budget_options)
+                warned_budgets.append(True)  # its warnings are not given twice below
 
             scorers = task_scorers(model, task, seed=seed, context_len=context_len, labelling=labelling,
                                    processes=default_processes(processes, worker), progress=progress,
@@ -909,7 +913,7 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
             labelling=labelling_name, residual_bits=residual_bits, recent_lengths=recent_lengths, sink_bits=sink_bits,
             heavy_length=heavy_length, stream_window=stream_window, error_feedback=error_feedback, profile=profile)
         check_budgets(budgets, geometry, reference, modalities, granularity, profile=profile,  # before any study work
-                      **{k: getattr(config, k) for k in BUDGET_OPTIONS if k != "profile"})
+                      warn=not warned_budgets, **{k: getattr(config, k) for k in BUDGET_OPTIONS if k != "profile"})
         data_hash = getattr(scorer, "data_hash", None)
         model_name = getattr(scorer, "model_name", None)
 
@@ -998,14 +1002,15 @@ BUDGET_OPTIONS = ("bits", "group_sizes", "residual_lengths", "key_axes", "sink_l
 
 
 def check_budgets(budgets, geometry: Geometry, reference: Reference, modalities: Sequence[str] = ("text",),
-                  granularity: str = "slot", **options) -> None:
+                  granularity: str = "slot", warn: bool = True, **options) -> None:
     """Raise :class:`BudgetError` when a budget (``"2.5bpv"``, a number, or a list of them) is below the
     cheapest plan :func:`search` can reach with the same keywords (``options``: :data:`BUDGET_OPTIONS`
     of search(), each missing one at search()'s default; other keywords are ignored) on ``geometry`` at
     ``reference``: every slot at the lowest bits, or, where the search streams KV heads, every head it
     may stream streamed (the full-attention layers' heads, with an attention sink as the streaming profile
     keeps one) and the rest at the lowest bits. Milliseconds: the CLI runs it before the full-precision
-    prefill, search() before any study work, on the same space."""
+    prefill, search() before any study work, on the same space. ``warn``: say when a budget constrains
+    nothing (every slot fits at its highest bits)."""
     defaults = {k: p.default for k, p in inspect.signature(search).parameters.items() if k in BUDGET_OPTIONS}
     opts = {**defaults, **{k: v for k, v in options.items() if k in BUDGET_OPTIONS}}
     opts["key_scaling"], opts["value_scaling"], opts["codebooks"] = resolve_formats(
@@ -1023,7 +1028,8 @@ def check_budgets(budgets, geometry: Geometry, reference: Reference, modalities:
     hint = "" if window else "; streamed KV heads, stream_window with a profile, go lower"
     for b in budgets if isinstance(budgets, (list, tuple)) else [budgets]:
         model.check_budget(parse_budget(b), hint)
-        plain.warn_if_unconstrained(parse_budget(b))
+        if warn:
+            plain.warn_if_unconstrained(parse_budget(b))
 
 
 def _check_identity(study: optuna.Study, identity: dict, study_name: str, label, attrs=None) -> None:

@@ -467,3 +467,28 @@ def test_a_search_whose_every_kl_is_not_finite_says_so():
     with pytest.warns(UserWarning, match="measured no plan with a finite KL"):
         with pytest.raises(KVPlanError, match="the KL of each of the 21 plans measured was not finite"):
             search(budget="2.8bpv", n_trials=20, seed=0, scorer=NonFiniteEvery(1), **FAST)
+
+
+def test_a_budget_that_constrains_nothing_is_warned_about_once(monkeypatch):
+    """The warning came twice: from the check before the task's prefills and again from the one before the study."""
+    import warnings
+
+    import kvplan.search.scorers as scorers
+    from tests.search.synthetic import GEOM, MODS, REF
+
+    class Closing(SyntheticScorer):
+        geometry, modalities, reference = GEOM, MODS, REF
+
+        def close(self):
+            pass
+
+    def fake_task_scorers(*a, before_prefill=None, **k):
+        before_prefill(GEOM, REF, MODS)
+        return scorers.TaskScorers(Closing(), None, None)
+
+    monkeypatch.setattr(scorers, "task_scorers", fake_task_scorers)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        search(budget=40.0, n_trials=2, profile=False, out=None, **FAST)
+    said = [w for w in seen if "budget 40 bpv is at or above the dearest plan" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in seen]
