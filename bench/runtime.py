@@ -415,6 +415,7 @@ def run_decode(args, names, models, states, T, B, plans) -> dict:
     labels = {name: history_labels(plan, T) for name, plan in plans.items()}
     for name in names:
         model = models[name]
+        use_attention(model, name)  # a plan that streams KV heads needs kvplan's attention to make its cache
         cache = make_cache(name, model, plans.get(name))
         if name in plans:
             cache.assign_labels(labels[name])
