@@ -207,6 +207,7 @@ def _key(levels, q) -> tuple:
 MAX_DUPLICATE_ASKS = 8  # TPE proposals repairing to known plans before falling back to a mutation
 TRIALS_TARGET_ATTR = "kvplan.trials_target"  # study attr: the largest --trials a worker or resume asked for
 NON_FINITE_ROLE = "non-finite"  # kvplan.role of a FAILed trial whose measured KL was not finite
+NO_NEW_PLAN = "(few plans fit the budget in this search space, or the proposals keep landing on measured ones)"
 
 
 @dataclass(frozen=True)
@@ -426,7 +427,6 @@ class _Searcher:
             return None
         if ok:
             self.n_evals += 1
-        if ok:
             self._progress(kl, bpv)
         return kl, bpv
 
@@ -583,9 +583,7 @@ class _Searcher:
                     if self.check_identity is not None:
                         self.check_identity(attrs)  # two first workers with other setups wrote at once
                     if attrs.get("kvplan.exhausted"):
-                        self._warn_short("a worker of this study found no new plan to propose before (few plans "
-                                         "fit the budget in this search space, or the proposals keep landing on "
-                                         "measured ones)")
+                        self._warn_short(f"a worker of this study found no new plan to propose before {NO_NEW_PLAN}")
                         break
                 n = self.complete_count()
                 if n >= self.n_trials:
@@ -614,9 +612,7 @@ class _Searcher:
                     failed = self.n_non_finite - failed_at_stall
                     self._warn_short(f"21 rounds in a row measured no plan with a finite KL ({failed} plans measured, "
                                      "each KL not finite: see the first warning)" if failed else
-                                     "21 rounds in a row proposed no plan that is not measured already (few plans "
-                                     "fit the budget in this search space, or the proposals keep landing on "
-                                     "measured ones)")
+                                     f"21 rounds in a row proposed no plan that is not measured already {NO_NEW_PLAN}")
                     break  # the space is exhausted (tiny spaces), or every proposal repairs onto a measured plan
         except BaseException:
             self._give_back_held()
