@@ -249,9 +249,30 @@ def _attention_all_layers(name, cache, q):
     return lambda: [kernel(q, kb, vb, kr, vr) for kb, vb, kr, vr in calls]
 
 
+def _streamed_positions_hidden(lay, B: int, Hq: int) -> torch.Tensor | None:
+    """bool ``[B, Hq, 1, T_total]`` (True = attend) hiding, from the query heads of each streamed KV head, the
+    segment positions its blocks store nothing for (``bits`` 0), as the kernel skips them; ``None`` when no
+    block is streamed. Positions run as the reference assembles them: the segments in order, then the residual."""
+    from kvplan.plans import STREAMED
+
+    segments = lay.segments["k"]
+    total = sum(seg.length for seg in segments) + lay.residual["k"].length
+    n_rep = Hq // SMOLLM2["num_key_value_heads"]
+    mask, start = torch.ones(B, Hq, 1, total, dtype=torch.bool), 0
+    for seg in segments:
+        for block in seg.blocks:
+            if block.bits == STREAMED:
+                for h in block.heads:
+                    mask[:, h * n_rep:(h + 1) * n_rep, :, start:start + seg.length] = False
+        start += seg.length
+    return None if bool(mask.all()) else mask
+
+
 def _reference_diff(cache, q) -> float:
-    """Max |Triton - reference| of layer 0's decode attention; the reference (PyTorch
-    dequantize + softmax attention) runs on CPU copies of the packed blocks."""
+    """Max |Triton - reference| of layer 0's decode attention over its packed segments and residual; the
+    reference (PyTorch dequantize + softmax attention) runs on CPU copies of the packed blocks, with the
+    streamed heads' unstored positions hidden as the kernel skips them (a streamed head's window copies and
+    sink are the deployed attention's, ``kvplan.runtime.fused``, and not in this raw kernel call)."""
     from kvplan.kernels.attention_reference import reference_decode_attention
     from tests.kernels.attention_cases import on_device
 
@@ -259,7 +280,8 @@ def _reference_diff(cache, q) -> float:
     kb, vb = [s.blocks for s in lay.segments["k"]], [s.blocks for s in lay.segments["v"]]
     out = cache.attention_kernel(q, kb, vb, lay.residual["k"].read(), lay.residual["v"].read())
     ref = reference_decode_attention(q.cpu(), on_device(kb, "cpu"), on_device(vb, "cpu"),
-                                     lay.residual["k"].read().cpu(), lay.residual["v"].read().cpu())
+                                     lay.residual["k"].read().cpu(), lay.residual["v"].read().cpu(),
+                                     attn_mask=_streamed_positions_hidden(lay, q.shape[0], q.shape[1]))
     return (out.float().cpu() - ref.float()).abs().max().item()
 
 
