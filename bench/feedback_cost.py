@@ -42,13 +42,16 @@ def history_states(model, tokenizer, T: int):
 
 
 def write_time(plan: Plan, model, states, repeats: int) -> float:
+    from kvplan.runtime import attention_route
+
     times = []
-    for _ in range(repeats):
-        cache = KVPlanCache(plan, model)
-        t0 = time.perf_counter()
-        for layer, (k, v) in zip(cache.layers, states):
-            layer.update(k, v)
-        times.append(time.perf_counter() - t0)
+    with attention_route(model, "auto", plan):  # as kvplan.load leaves the model (a streaming plan needs it)
+        for _ in range(repeats):
+            cache = KVPlanCache(plan, model)
+            t0 = time.perf_counter()
+            for layer, (k, v) in zip(cache.layers, states):
+                layer.update(k, v)
+            times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 

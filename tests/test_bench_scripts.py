@@ -35,3 +35,14 @@ def test_the_gpu_step_table_compares_the_searched_plans_kernel_with_a_reference_
     assert r.returncode == 0, r.stderr[-3000:]
     row = next(line for line in r.stdout.splitlines() if line.startswith("| 160 | 2 | searched |"))
     assert float(row.strip(" |").split("|")[-1]) < 1e-4, row
+
+
+def test_the_feedback_cost_benchmark_writes_the_recorded_plan(tmp_path):
+    """bench/feedback_cost.py made a cache of the recorded plan outside kvplan's attention, which a plan that
+    streams KV heads is refused: the benchmark failed on the plan it times."""
+    out = tmp_path / "feedback_cost.md"
+    cmd = [sys.executable, str(ROOT / "bench" / "feedback_cost.py"), str(RECORDED), "--lengths", "128", "--repeats",
+           "1", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| 128 |" in out.read_text()
