@@ -7,6 +7,8 @@ Errors a user can cause (bad plan, missing model package, bad budget) print one 
 from __future__ import annotations
 
 import argparse
+import errno
+import signal
 import sys
 
 from .errors import MAX_SEED, KVPlanError
@@ -391,6 +393,7 @@ def main(argv=None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    previous_sigterm = _raise_on_sigterm()
     try:
         if args.threads is not None:
             if args.threads < 1:
@@ -402,21 +405,65 @@ def main(argv=None) -> int:
             from transformers.utils import logging as transformers_logging
 
             transformers_logging.disable_progress_bar()
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a full disk under a redirected stdout fails here, not at exit
+        return status
     except KVPlanError as e:
         print(f"kvplan: error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("kvplan: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("kvplan: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader of our output went away (kvplan explain plan.yaml | head)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1
+    except OSError as e:
+        if e.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        # the machine, not kvplan or its input: a full disk or quota, a failing or read-only device
+        where = f" {e.filename}" if e.filename else ""
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        print(f"kvplan: error: cannot write{where}: {e.strerror or e} (a search keeps its finished trials in its "
+              "journal; the same command resumes it once there is room)", file=sys.stderr)
+        return 2
     except Exception:
         traceback.print_exc()
         print(f"kvplan: internal error: this is a bug in kvplan {__version__}, not in your input; please report it "
               "with the traceback above and the command you ran", file=sys.stderr)
         return 1
+    finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler's stop), raised like Ctrl-C so that a search gives its trials back and
+    releases its journal lock on the way out, as it does on Ctrl-C."""
+
+
+# OSError numbers main() reports as one line: the machine's state, not a bug
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
+
+
+def _raise_on_sigterm():
+    """Make SIGTERM raise :class:`Terminated` while a command runs; returns the handler to restore (``None``
+    when none was installed: not the main thread, or a handler the embedding program set)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous not in (signal.SIG_DFL, None):
+        return None
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, terminate)
+    return previous
 
 
 if __name__ == "__main__":

@@ -362,6 +362,20 @@ def test_argument_errors_come_before_the_work(monkeypatch, tmp_path, capsys):
                    "--out", str(tmp_path / "p.yaml")])
         err = capsys.readouterr().err
         assert rc == 2 and "line 1 is not an Optuna journal record" in err and why in err, err
+    # a FIFO where a journal is read blocked the search forever (after the model load, beside --out)
+    fifo_dir = tmp_path / "fifo"
+    fifo_dir.mkdir()
+    os.mkfifo(fifo_dir / "plan.journal")
+    os.mkfifo(fifo_dir / "s.journal")
+    for argv, fragment in [
+        (["search", "--quiet", "--out", str(fifo_dir / "plan.yaml")],
+         f"--out's study journal {fifo_dir / 'plan.journal'}: is a FIFO, not a journal file"),
+        (["search", "--quiet", "--storage", str(fifo_dir / "s.journal"), "--study-name", "s",
+          "--out", str(tmp_path / "q.yaml")], f"--storage {fifo_dir / 's.journal'}: is a FIFO, not a journal file"),
+    ]:
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1, (argv, err)
     for option in (["generate", "--max-new-tokens", "0"], ["search", "--key-correction-rank", "-1"]):
         with pytest.raises(SystemExit) as e:
             main(option)
@@ -491,3 +505,36 @@ def test_generate_checks_its_plan_before_the_model_loads(monkeypatch, tmp_path, 
     assert main(["generate", "--plan", plan]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"kvplan: error: {plan}: ") and "plan file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_full_disk_under_stdout_is_one_line_not_an_internal_error(tmp_path):
+    """`kvplan validate plan.yaml > /dev/full` printed a traceback and "internal error: this is a bug"."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    plan = tmp_path / "p.yaml"
+    baseline_plan("int4", Geometry(2, 2, 64, ("full", "full"), "llama")).to_yaml(plan)
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "kvplan.cli", "validate", str(plan)], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == ("kvplan: error: cannot write: No space left on device (a search "
+                                "keeps its finished trials in its journal; the same command resumes it once there "
+                                "is room)")
+
+
+def test_sigterm_stops_a_command_as_ctrl_c_does():
+    """SIGTERM killed a search without its Ctrl-C path: no message, the journal lock left behind (the next run
+    waited 30 s for it) and the held trials not given back. It now raises like Ctrl-C, and says so."""
+    script = ("import os, signal, sys, time\n"
+              "import kvplan.cli as cli\n"
+              "def work(args):\n"
+              "    try:\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        time.sleep(30)\n"
+              "    finally:\n"
+              "        print('cleanup ran', flush=True)\n"
+              "cli._cmd_validate = work\n"
+              "sys.exit(cli.main(['validate', 'any.yaml']))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 143 and "cleanup ran" in r.stdout, (r.returncode, r.stderr)
+    assert r.stderr.strip() == "kvplan: terminated (SIGTERM)"

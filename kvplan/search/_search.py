@@ -101,9 +101,9 @@ from ..plans._files import (budget_plan_path, check_not_inputs, check_writable, 
                             sidecar_paths, write_file_set)  # noqa: F401 -- sidecar_paths is public
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
                        run_once, tell)
-from .storage import (DEFAULT_GRACE_S, DEFAULT_HEARTBEAT_S, Heartbeat, RetryStale, describe_storage,
-                      fail_and_requeue, fail_orphaned_trials, is_persistent, make_storage, owner_attrs, storage_file,
-                      trial_owner)
+from .storage import (DEFAULT_GRACE_S, DEFAULT_HEARTBEAT_S, Heartbeat, RetryStale, check_journal_file,
+                      describe_storage, fail_and_requeue, fail_orphaned_trials, is_persistent, make_storage,
+                      owner_attrs, storage_file, trial_owner)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -207,6 +207,7 @@ def _key(levels, q) -> tuple:
 MAX_DUPLICATE_ASKS = 8  # TPE proposals repairing to known plans before falling back to a mutation
 TRIALS_TARGET_ATTR = "kvplan.trials_target"  # study attr: the largest --trials a worker or resume asked for
 NON_FINITE_ROLE = "non-finite"  # kvplan.role of a FAILed trial whose measured KL was not finite
+OWN_JOURNAL = "--out's study journal"  # how errors name the journal a search keeps beside --out
 NO_NEW_PLAN = "(few plans fit the budget in this search space, or the proposals keep landing on measured ones)"
 
 
@@ -834,7 +835,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
             check_writable(path, "--out", is_dir=False)
         if own_journal:  # opened (made) only once the setup is known good, below
             storage = journal_path(out)
-            check_writable(storage, "--out's study journal", is_dir=False)
+            check_writable(storage, OWN_JOURNAL, is_dir=False)
+            check_journal_file(storage, OWN_JOURNAL)
         named = {(f"--out's {key[5:]} bpv plan" if len(budgets) > 1 else "--out") if key.startswith("plan@")
                  else f"--out's {key} sidecar": path for key, path in outputs.items()}  # the user's words
         check_not_inputs(named, {"storage": storage_file(storage), "task file": existing_path(task),
@@ -913,7 +915,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
         data_hash = getattr(scorer, "data_hash", None)
         model_name = getattr(scorer, "model_name", None)
 
-        st = make_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period)
+        st = make_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                          name=OWN_JOURNAL if own_journal else "--storage")
         label = describe_storage(storage)
         persistent = is_persistent(st)
         # what a worker must share with the study to join it (refused otherwise, naming the difference)

@@ -109,12 +109,31 @@ def _open_rdb(url: str, heartbeat_interval: int | None, grace_period: int | None
     raise AssertionError("unreachable")
 
 
+def check_journal_file(path, name: str = "--storage") -> None:
+    """Refuse a journal path that exists but is not a regular file (a FIFO would block the reader forever,
+    a device would be read without end), before any work; ``name``: how the user gave it."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise StorageError(f"{name} {path}: cannot open the journal file: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "not a regular file")
+        raise StorageError(f"{name} {path}: is {kind}, not a journal file")
+
+
 def make_storage(storage, *, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_S,
-                 grace_period: int | None = DEFAULT_GRACE_S):
+                 grace_period: int | None = DEFAULT_GRACE_S, name: str = "--storage"):
     """An Optuna storage object (or ``None`` for in-memory) from a path / URL / storage.
 
     RDB storages get Optuna's heartbeat (``heartbeat_interval`` seconds, ``None``/0: off) and
-    :class:`RetryStale`. Raises :class:`StorageError` (one line) when it cannot be opened."""
+    :class:`RetryStale`. Raises :class:`StorageError` (one line, naming the storage as ``name``: the
+    option the user gave it with) when it cannot be opened."""
     if storage is None or not isinstance(storage, (str, os.PathLike)):
         return storage
     s = os.fspath(storage)
@@ -123,16 +142,17 @@ def make_storage(storage, *, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_
     if s.endswith(JOURNAL_SUFFIXES):
         from optuna.storages.journal import JournalFileBackend
 
+        check_journal_file(s, name)
         folder = os.path.dirname(os.path.abspath(s))
         try:
             os.makedirs(folder, exist_ok=True)
             backend = JournalFileBackend(s)
-            _check_journal(s)
+            _check_journal(s, name)
             with open(s, "ab"):  # Optuna appends to an existing file only at the first write: refuse it here
                 pass
             return BeatingJournalStorage(backend, heartbeat_interval, grace_period)
         except OSError as e:
-            raise StorageError(f"--storage {s}: cannot open the journal file: {e.strerror or e}") from None
+            raise StorageError(f"{name} {s}: cannot open the journal file: {e.strerror or e}") from None
     raise StorageError(f"--storage {one_line(s, 200)}: use an RDB URL (sqlite:///study.db, postgresql://...) or a "
                        f"journal file path ending in {', '.join(JOURNAL_SUFFIXES)}")
 
@@ -161,10 +181,13 @@ def _journal_beat(storage) -> bool:
     return isinstance(storage, BeatingJournalStorage) and storage.kvplan_heartbeat_interval is not None
 
 
-def _check_journal(path: str) -> None:
+def _check_journal(path: str, name: str = "--storage") -> None:
     """Refuse a journal file with a line that is not a whole JSON record, before any work: Optuna skips
     a cut-off last line when it reads, then appends after it, and every later read of the study fails.
-    Read under the lock Optuna's writers take, so a line being written is never seen half done."""
+    A last line without its newline is a write that never finished (a full disk, a killed writer: Optuna
+    writes each record whole, newline included): it is cut off the file, with a warning, as a database
+    drops a torn write. Read under the lock Optuna's writers take, so a line being written is never seen
+    half done."""
     import json
 
     from optuna.storages.journal import JournalFileSymlinkLock
@@ -178,6 +201,7 @@ def _check_journal(path: str) -> None:
     lock = JournalFileSymlinkLock(path)
     lock.acquire()
     try:
+        _drop_torn_tail(path, name)
         with open(path, "rb") as f:
             for number, line in enumerate(f, start=1):
                 try:
@@ -188,11 +212,35 @@ def _check_journal(path: str) -> None:
                     if not isinstance(op, int) or (op_codes is not None and op not in op_codes):
                         raise ValueError("not an object with a known op_code")
                 except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
-                    raise StorageError(f"--storage {path}: line {number} is not an Optuna journal record "
+                    raise StorageError(f"{name} {path}: line {number} is not an Optuna journal record "
                                        f"({one_line(str(e), 120)}); if a killed writer cut it off, remove that "
                                        "line to resume the study") from None
     finally:
         lock.release()
+
+
+def _drop_torn_tail(path: str, name: str) -> None:
+    """Cut a last line that has no newline off the journal (see :func:`_check_journal`), saying so."""
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(max(0, size - 1))
+        if f.read(1) == b"\n":
+            return
+        start = 0  # where the last line begins: after the last newline before it
+        block = 1 << 16
+        for end in range(size, 0, -block):
+            f.seek(max(0, end - block))
+            chunk = f.read(end - max(0, end - block))
+            at = chunk.rfind(b"\n")
+            if at >= 0:
+                start = max(0, end - block) + at + 1
+                break
+        f.truncate(start)
+    warnings.warn(f"kvplan: {name} {path}: dropped its last line ({size - start} bytes without a newline: a "
+                  "record whose write never finished, e.g. on a full disk or a killed run); every whole record "
+                  "is kept", stacklevel=3)
 
 
 def storage_file(storage) -> str | None:

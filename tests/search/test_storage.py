@@ -416,3 +416,25 @@ def test_a_slot_failed_as_stale_by_another_worker_is_lost_not_an_error():
     study.tell(trial, state=TrialState.FAIL)  # what the other worker's fail_orphaned_trials does
     frozen = study._storage.get_trial(trial._trial_id)
     assert reserve(study, frozen, "plan-key", n_trials=4, done_keys=set()) == "lost"
+
+
+def test_a_journal_whose_last_write_never_finished_resumes_without_it(tmp_path):
+    """A full disk (or a kill) mid-append left a last line without its newline; every later run was refused until
+    the user deleted that line by hand, although the error of the failed run said the same command resumes.
+    The torn tail is dropped (a warning says how many bytes), the whole records are kept, and the study resumes;
+    a broken line that is not the last one is still refused."""
+    storage = tmp_path / "t.journal"
+    fast = dict(budget="3.0", progress=False, n_candidates=4, n_local=8, profile=False, storage=str(storage),
+                study_name="t", out=None)
+    search(n_trials=4, scorer=SyntheticScorer(), **fast)
+    whole = storage.read_bytes()
+    assert whole.endswith(b"\n")
+    storage.write_bytes(whole + b'{"op_code": 4, "worker_id": "w", "trial_id": 9, "sta')  # ENOSPC mid-record
+    with pytest.warns(UserWarning, match=r"--storage .*t\.journal: dropped its last line \(52 bytes without a "
+                                         r"newline"):
+        r = search(n_trials=6, scorer=SyntheticScorer(), **fast)
+    assert r.n_real_evals == 2 and r.n_study_trials == 6 and storage.read_bytes().startswith(whole)
+    lines = storage.read_bytes().split(b"\n")
+    storage.write_bytes(b"\n".join(lines[:3] + [lines[3][:10]] + lines[4:]))  # a broken line inside the file
+    with pytest.raises(StorageError, match="line 4 is not an Optuna journal record"):
+        search(n_trials=6, scorer=SyntheticScorer(), **fast)
