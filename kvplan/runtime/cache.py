@@ -933,6 +933,11 @@ def _check_streaming_attention(plan: Plan, model) -> None:
     config = model.config
     config = text_config(config)
     if config._attn_implementation != ATTENTION_NAME:
+        if getattr(model, "kvplan_plan", None) is not None:  # loaded, then switched by the user
+            raise PlanError("bits", "the plan streams KV heads (bits 0), which only kvplan's attention masks, but "
+                            f"this model now attends with {config._attn_implementation!r} although kvplan.load put "
+                            "it on kvplan's attention (set_attn_implementation since?): kvplan.load the plan again",
+                            show_value=False)
         raise PlanError("bits", "the plan streams KV heads (bits 0), which only kvplan's attention masks: run "
                         "the model under kvplan.load(model, plan) (or kvplan.runtime.attention_route(model, "
                         "attention, plan)) before making its cache", show_value=False)

@@ -56,10 +56,23 @@ def _check_rope(plan: Plan, model, source: str | None) -> None:
         model_freqs = theirs[layer_type] if isinstance(theirs, dict) else theirs
         if len(model_freqs) != len(mine) or not all(
                 math.isclose(a, b, rel_tol=1e-5) for a, b in zip(model_freqs, mine)):
-            warnings.warn(f"{source or 'plan'}: rope_inv_freq of layer {layer} ({layer_type}, {len(mine)} values) "
-                          f"differs from this model's RoPE frequencies ({len(model_freqs)} values); keys are still "
-                          "read back exactly, but are quantized in a frame that does not undo this model's RoPE "
-                          "(less accurate than searched)", UserWarning, stacklevel=3)
+            warned = model.__dict__.setdefault("_kvplan_rope_warned", set())  # once per model and frequencies,
+            key = (tuple(mine), tuple(model_freqs))  # not at every generate (each makes a cache)
+            if key in warned:
+                return
+            warned.add(key)
+            if len(model_freqs) != len(mine):
+                how = f"{len(mine)} values, the model's {len(model_freqs)}"
+            else:
+                gap = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(model_freqs, mine))
+                how = f"relative difference up to {gap:.1e}"
+            dtypes = {str(b.dtype).removeprefix("torch.") for n, b in model.named_buffers() if n.endswith("inv_freq")}
+            low = sorted(dtypes & {"bfloat16", "float16"})
+            hint = f"; this model keeps them in {low[0]}, which rounds them" if low else ""
+            warnings.warn(f"{source or 'plan'}: rope_inv_freq of layer {layer} ({layer_type}) differs from this "
+                          f"model's RoPE frequencies ({how}{hint}); keys are still read back exactly, but are "
+                          "quantized in a frame that does not undo this model's RoPE (less accurate than searched)",
+                          UserWarning, stacklevel=3)
             return
 
 

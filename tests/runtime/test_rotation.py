@@ -139,3 +139,20 @@ def test_load_warns_when_the_plans_rope_frequencies_are_not_the_models():
     other = plan.replace(rope_inv_freq=tuple(2 * f for f in plan.rope_inv_freq))
     with pytest.warns(UserWarning, match="rope_inv_freq .* differs from this model's RoPE frequencies"):
         kvplan.make_cache(model, other)
+
+
+def test_the_rope_warning_says_how_far_and_why_and_comes_once_per_model():
+    """A plan searched on an fp32 model deployed in bf16 (whose cast rounds the inv_freq buffer) warned at load and
+    again at every generate, saying only that the frequencies differed."""
+    import warnings
+
+    model = tiny_llama()
+    plan = _rotated(uniform_plan(Geometry.of(model), 2, 4, residual_length=8, group_size=32), model)
+    model.to(torch.bfloat16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            kvplan.make_cache(model, plan)
+    said = [str(w.message) for w in seen if "rope_inv_freq" in str(w.message)]
+    assert len(said) == 1, said
+    assert "relative difference up to" in said[0] and "this model keeps them in bfloat16, which rounds them" in said[0]

@@ -269,6 +269,11 @@ def test_a_model_attending_without_kvplan_is_refused():
     try:
         assert make_cache(model, plan).layers[0].streamed == (1,)
         assert KVPlanCache(plan, model).layers[0].streamed == (1,)
+        # switched by the user after the load: said so (the message told them to do the load they had done)
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(kvplan.PlanError, match="this model now attends with 'sdpa' although kvplan.load put it on "
+                                                   "kvplan's attention"):
+            make_cache(model, plan)
     finally:
         kvplan.unload(model)
 
