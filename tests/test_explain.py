@@ -418,3 +418,56 @@ def test_a_trial_row_with_an_absurd_quantizer_value_is_skipped_not_fed_to_the_fo
     rep = json.loads(explain(copy, format="json"))
     assert any("residual_length '1e300' is not a valid residual_length" in w for w in rep["warnings"])
     assert rep["importance"]["n_trials"] == len(rows) - 1
+
+
+def test_a_figure_the_system_will_not_replace_leaves_the_old_set_and_names_the_figure(tmp_path, monkeypatch):
+    """A rename that failed half-way (an immutable or otherwise unreplaceable pareto.png) left the figures renamed
+    before it replaced, a `.tmp-pareto-*.png` behind (one more per run), and an error naming that temporary file."""
+    import kvplan.plans._files as files
+
+    out = tmp_path / "figs"
+    out.mkdir()
+    for name in ("allocation", "pareto"):
+        (out / f"{name}.png").write_bytes(b"old " + name.encode())
+    real_replace = os.replace
+
+    def refuse_pareto(src, dst):
+        if os.fspath(dst).endswith("pareto.png"):
+            raise PermissionError(1, "Operation not permitted", os.fspath(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", refuse_pareto)
+    with pytest.raises(KVPlanError, match=rf"^{out / 'pareto.png'}: cannot write \(Operation not permitted\)$"):
+        write_figures(str(out), {"allocation": b"new allocation", "pareto": b"new pareto"})
+    assert sorted(os.listdir(out)) == ["allocation.png", "pareto.png"]  # no temporary or second name left
+    assert (out / "allocation.png").read_bytes() == b"old allocation"  # put back
+    assert (out / "pareto.png").read_bytes() == b"old pareto"
+
+
+def test_figures_and_html_are_one_set(searched, tmp_path, monkeypatch):
+    """With an HTML page the system would not replace, `explain --figures DIR --html r.html` wrote the new figures,
+    then failed on the page: figures of this run beside the page of the last."""
+    import errno
+
+    import kvplan.plans._files as files
+
+    p = copy_plan(searched, tmp_path)["plan"]
+    figs, html = tmp_path / "figs", tmp_path / "r.html"
+    figs.mkdir()
+    (figs / "allocation.png").write_bytes(b"old")
+    html.write_text("old page")
+    real_link = os.link
+
+    def immutable_page(src, dst):
+        if os.fspath(src) == str(html):
+            raise PermissionError(errno.EPERM, "Operation not permitted", os.fspath(src))
+        return real_link(src, dst)
+
+    monkeypatch.setattr(files.os, "link", immutable_page)
+    with pytest.raises(KVPlanError, match="r.html: cannot write"):
+        explain(p, out_dir=figs, html=html, importance=False)
+    assert os.listdir(figs) == ["allocation.png"] and (figs / "allocation.png").read_bytes() == b"old"
+    assert html.read_text() == "old page"
+    monkeypatch.setattr(files.os, "link", real_link)
+    explain(p, out_dir=figs, html=html, importance=False)
+    assert (figs / "allocation.png").read_bytes() != b"old" and html.read_text() != "old page"

@@ -113,3 +113,33 @@ def test_a_folder_that_refuses_new_files_is_found_before_the_work(tmp_path):
         check_writable("/proc/x.yaml", "--out", is_dir=False)
     check_writable(tmp_path / "new" / "plan.yaml", "--out", is_dir=False)  # made as needed: fine
     assert os.listdir(tmp_path) == []  # the probe is removed
+
+
+def test_a_set_whose_file_cannot_be_replaced_is_not_written_at_all(tmp_path, monkeypatch):
+    """With an immutable plan.trials.csv (chattr +i) a search's export renamed the new plan.yaml into place, then
+    failed on the sidecar: a new plan beside the old sidecars. The file the system will not replace now fails the
+    set before any rename (it cannot be given a second name either), and a rename that fails puts back the ones
+    made before it."""
+    import errno
+
+    import kvplan.plans._files as files
+
+    paths = {name: tmp_path / name for name in ("plan.yaml", "plan.trials.csv", "plan.search.json")}
+    for name, p in paths.items():
+        p.write_text(f"old {name}")
+    real_link = os.link
+
+    def immutable_csv(src, dst):
+        if os.fspath(src).endswith("plan.trials.csv"):
+            raise PermissionError(errno.EPERM, "Operation not permitted", os.fspath(src))
+        return real_link(src, dst)
+
+    monkeypatch.setattr(files.os, "link", immutable_csv)
+    with pytest.raises(KVPlanError, match=r"plan.trials.csv: cannot write \(Operation not permitted\)"):
+        write_file_set({p: f"new {name}" for name, p in paths.items()})
+    assert sorted(os.listdir(tmp_path)) == sorted(paths)  # nothing else left beside them
+    assert all(p.read_text() == f"old {name}" for name, p in paths.items())
+    monkeypatch.setattr(files.os, "link", real_link)
+    write_file_set({p: f"new {name}" for name, p in paths.items()})
+    assert sorted(os.listdir(tmp_path)) == sorted(paths)
+    assert all(p.read_text() == f"new {name}" for name, p in paths.items())

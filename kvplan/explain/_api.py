@@ -43,11 +43,17 @@ def explain(plan_path, format: str = "text", out_dir=None, importance: bool = Tr
     if out_dir is not None or html is not None:
         pngs = render_figures(rep)
         try:
+            also = {}  # the page goes with the figures as one set: neither is updated without the other
             if out_dir is not None:
-                rep["figures"] = write_figures(out_dir, pngs)
+                rep["figures"] = [os.path.join(out_dir, f"{name}.png") for name in pngs]
             if html is not None:
                 rep["html"] = html
-                atomic_write_text(html, render_html(rep, pngs))
+                also[html] = render_html(rep, pngs)
+            if out_dir is not None:
+                write_figures(out_dir, pngs, also=also)
+            elif html is not None:
+                atomic_write_text(html, also[html])
+            if html is not None:
                 os.chmod(html, file_mode())
         except OSError as e:
             raise ExplainError(f"{e.filename or out_dir or html}: cannot write ({e.strerror or e})") from None

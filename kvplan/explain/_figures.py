@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
 
 import numpy as np
 
@@ -296,34 +295,22 @@ def file_mode() -> int:
     return 0o666 & ~umask
 
 
-def write_figures(out_dir: str, pngs: dict[str, bytes]) -> list[str]:
-    """Write ``<name>.png`` files into ``out_dir`` as one set: all are written to temporary
-    files first and renamed only when all succeeded (on failure none is left, nor a temporary
-    file); figures of an earlier run that this report has no data for are removed."""
+def write_figures(out_dir: str, pngs: dict[str, bytes], also: dict[str, str] | None = None) -> list[str]:
+    """Write ``<name>.png`` files into ``out_dir`` as one set (:func:`~kvplan.plans._files.write_file_set`:
+    on any failure the earlier figures stay as they were, no temporary file is left, and the error names
+    the figure), with the files of ``also`` (``path -> text``: the HTML page); figures of an earlier run
+    that this report has no data for are removed."""
+    from ..plans._files import write_file_set
+
     created = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    tmps: dict[str, str] = {}
+    paths = [os.path.join(out_dir, f"{name}.png") for name in pngs]
     try:
-        for name, data in pngs.items():
-            fd, tmp = tempfile.mkstemp(prefix=f".tmp-{name}-", suffix=".png", dir=out_dir)
-            tmps[name] = tmp
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, file_mode())
+        write_file_set({**dict(zip(paths, pngs.values())), **(also or {})})
     except BaseException:
-        for tmp in tmps.values():
-            if os.path.exists(tmp):
-                os.unlink(tmp)
         if created and not os.listdir(out_dir):
             os.rmdir(out_dir)
         raise
-    paths = []
-    for name, tmp in tmps.items():
-        p = os.path.join(out_dir, f"{name}.png")
-        os.replace(tmp, p)
-        paths.append(p)
     for name in FIGURE_NAMES:
         stale = os.path.join(out_dir, f"{name}.png")
         if name not in pngs and os.path.exists(stale):

@@ -3,6 +3,7 @@ every command runs on its output paths before any work."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
@@ -145,11 +146,15 @@ TMP_SUFFIX = ".kvplan-tmp"
 STALE_TMP_S = 60.0  # an old-style ".tmp-*" file this old is a dead writer's, not a live one's
 
 
-def _tmp_name(path: str) -> str:
+def _tmp_name(path: str, old: bool = False) -> str:
     """``.<name>.<pid>.kvplan-tmp`` beside ``path``: the writer's pid in the name, so a later write
-    can tell a dead writer's leftovers from a live writer's file."""
+    can tell a dead writer's leftovers from a live writer's file; ``old``: the name the file being
+    replaced keeps until its set is written (``.<name>.old.<pid>.kvplan-tmp``)."""
     folder, name = os.path.split(os.path.abspath(path))
-    return os.path.join(folder, f".{name}.{os.getpid()}{TMP_SUFFIX}")
+    return os.path.join(folder, f".{name}.{OLD_PREFIX if old else ''}{os.getpid()}{TMP_SUFFIX}")
+
+
+OLD_PREFIX = "old."
 
 
 def _pid_alive(pid: int) -> bool:
@@ -176,7 +181,7 @@ def clean_stale_temps(path) -> list[str]:
         full = os.path.join(folder, e)
         stale = False
         if e.startswith(f".{name}.") and e.endswith(TMP_SUFFIX):
-            pid = e[len(name) + 2: -len(TMP_SUFFIX)]
+            pid = e[len(name) + 2: -len(TMP_SUFFIX)].removeprefix(OLD_PREFIX)  # a new file's temp or an old one's
             stale = pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid)))
         elif e.startswith(".tmp-") and e.endswith(name):
             try:
@@ -208,10 +213,14 @@ def _fsync_dir(folder: str) -> None:
 def write_file_set(files: dict) -> None:
     """Write several files (``path -> text``, or bytes) as one set: every file to a temporary name in its own folder
     (leftovers of a killed earlier write removed first) and ``fsync``-ed, and only then each
-    renamed into place. A failure before the renames leaves the old set untouched; a kill
-    during the renames (microseconds) can mix sets, which is why the search writes one
-    ``run_id`` into every file of a set and ``kvplan explain`` checks it."""
+    renamed into place. A failure before the renames leaves the old set untouched, and so does a
+    rename that fails (a file the system will not replace): the files already renamed are put back
+    (each replaced file keeps a second name, a hard link, until the set is written). A kill during
+    the renames (microseconds) can mix sets, which is why the search writes one ``run_id`` into every
+    file of a set and ``kvplan explain`` checks it."""
     tmps: list[tuple[str, str]] = []
+    olds: dict[str, str | None] = {}  # path -> the second name of the file it replaces (None: none, or no links)
+    renamed: list[str] = []
     path = None
     try:
         for path, text in files.items():
@@ -228,17 +237,49 @@ def write_file_set(files: dict) -> None:
         for _, path in tmps:  # what would fail a rename, found before the first one
             if os.path.isdir(path):
                 raise IsADirectoryError(21, "Is a directory", path)
+            olds[path] = _second_name(path)
         for tmp, path in tmps:
             os.replace(tmp, path)
+            renamed.append(path)
         for folder in {os.path.dirname(os.path.abspath(p)) for _, p in tmps}:
             _fsync_dir(folder)
     except BaseException as e:
+        for done in reversed(renamed):  # put the old set back
+            try:
+                if olds.get(done):
+                    os.replace(olds[done], done)
+                elif done in olds:
+                    os.unlink(done)
+            except OSError:
+                pass
         for tmp, _ in tmps:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         if isinstance(e, OSError):  # the file the user named, not our temporary one
             raise KVPlanError(f"{os.fspath(path)}: cannot write ({e.strerror or e})") from e
         raise
+    finally:
+        for old in olds.values():
+            if old and os.path.lexists(old):
+                os.unlink(old)
+
+
+def _second_name(path: str) -> str | None:
+    """A hard link to the file at ``path`` (what :func:`write_file_set` puts back if the set fails); ``None``
+    when there is no file, or the file system has no hard links. A file the system will not link (an
+    immutable one) raises, so the set fails before any rename."""
+    if not os.path.isfile(path) or os.path.islink(path):
+        return None
+    old = _tmp_name(path, old=True)
+    if os.path.lexists(old):
+        os.unlink(old)
+    try:
+        os.link(path, old)
+    except OSError as e:
+        if e.errno in (errno.EPERM, errno.EACCES):
+            raise
+        return None  # no hard links here (FAT, some network file systems): renamed without a way back
+    return old
 
 
 def atomic_write_text(path, text: str) -> None:
