@@ -102,8 +102,8 @@ def check_not_inputs(outputs: Mapping[str, object], inputs: Mapping[str, object]
 
 
 def _too_large(size: int, source: str | None) -> PlanError:
-    return PlanError(FILE_PATH, f"is {size / 2 ** 20:.1f} MiB; plan files may be at most {MAX_PLAN_BYTES // 2 ** 20} MiB",
-                     show_value=False, source=source)
+    return PlanError(FILE_PATH, f"is {size / 2 ** 20:.1f} MiB; plan files may be at most "
+                     f"{MAX_PLAN_BYTES // 2 ** 20} MiB", show_value=False, source=source)
 
 
 def read_plan_bytes(path) -> bytes:
