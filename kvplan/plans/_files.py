@@ -219,7 +219,7 @@ def write_file_set(files: dict) -> None:
     the renames (microseconds) can mix sets, which is why the search writes one ``run_id`` into every
     file of a set and ``kvplan explain`` checks it."""
     tmps: list[tuple[str, str]] = []
-    olds: dict[str, str | None] = {}  # path -> the second name of the file it replaces (None: none, or no links)
+    olds: dict[str, str | None] = {}  # path -> the replaced file's second name ("": none made; None: no file)
     renamed: list[str] = []
     path = None
     try:
@@ -237,7 +237,7 @@ def write_file_set(files: dict) -> None:
         for _, path in tmps:  # what would fail a rename, found before the first one
             if os.path.isdir(path):
                 raise IsADirectoryError(21, "Is a directory", path)
-            olds[path] = _second_name(path)
+            olds[path] = _second_name(path) if os.path.lexists(path) else None
         for tmp, path in tmps:
             os.replace(tmp, path)
             renamed.append(path)
@@ -246,9 +246,9 @@ def write_file_set(files: dict) -> None:
     except BaseException as e:
         for done in reversed(renamed):  # put the old set back
             try:
-                if olds.get(done):
+                if olds[done]:
                     os.replace(olds[done], done)
-                elif done in olds:
+                elif olds[done] is None:  # there was no file: none again ("": no way back, the new one stays)
                     os.unlink(done)
             except OSError:
                 pass
@@ -264,12 +264,12 @@ def write_file_set(files: dict) -> None:
                 os.unlink(old)
 
 
-def _second_name(path: str) -> str | None:
-    """A hard link to the file at ``path`` (what :func:`write_file_set` puts back if the set fails); ``None``
-    when there is no file, or the file system has no hard links. A file the system will not link (an
-    immutable one) raises, so the set fails before any rename."""
+def _second_name(path: str) -> str:
+    """A hard link to the existing ``path`` (what :func:`write_file_set` puts back if the set fails); ``""``
+    for a symlink or other non-regular file, or where the file system has no hard links. A file the system
+    will not link (an immutable one) raises, so the set fails before any rename."""
     if not os.path.isfile(path) or os.path.islink(path):
-        return None
+        return ""
     old = _tmp_name(path, old=True)
     if os.path.lexists(old):
         os.unlink(old)
@@ -278,7 +278,7 @@ def _second_name(path: str) -> str | None:
     except OSError as e:
         if e.errno in (errno.EPERM, errno.EACCES):
             raise
-        return None  # no hard links here (FAT, some network file systems): renamed without a way back
+        return ""  # no hard links here (FAT, some network file systems): renamed without a way back
     return old
 
 
