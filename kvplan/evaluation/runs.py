@@ -171,7 +171,9 @@ def eval_sample_count(plan: Plan | None, task: str, split: str, samples: int | N
         return samples, False
     search = (plan.metrics.get("search") if plan is not None else None) or {}
     recorded = search.get("task") if isinstance(search.get("task"), dict) else {}
-    measured = plan.metrics.get(canonical_split(split)) if recorded.get("name") == os.fspath(task) else None
+    same_split = split in ("calibration", "validation", "test", "heldout")  # not "all": every record, no count
+    measured = (plan.metrics.get(canonical_split(split)) if same_split and recorded.get("name") == os.fspath(task)
+                else None)
     n = measured.get("n_samples") if isinstance(measured, dict) else None
     if isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 1 and float(n).is_integer():
         return int(n), True

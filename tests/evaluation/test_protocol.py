@@ -264,6 +264,9 @@ def test_eval_measures_as_many_samples_as_the_plans_search_did():
     assert eval_sample_count(searched, "default", "validation", None) == (3, True)
     assert eval_sample_count(searched, "default", "test", 5) == (5, False)  # given wins
     assert eval_sample_count(searched, "mine.jsonl", "test", None) == (None, False)  # another task: every record
+    jsonl = searched.replace(metrics={**searched.metrics, "search": {"task": {"name": "mine.jsonl"}}})
+    assert eval_sample_count(jsonl, "mine.jsonl", "test", None) == (2, True)
+    assert eval_sample_count(jsonl, "mine.jsonl", "all", None) == (None, False)  # every record of the task
     assert eval_sample_count(plan, "default", "test", None) == (16, False)  # no search recorded
     assert eval_sample_count(None, "default", "test", None) == (16, False)  # a baseline
     odd = searched.replace(metrics={**searched.metrics, "test": {"n_samples": 2.5}})
