@@ -538,3 +538,19 @@ def test_sigterm_stops_a_command_as_ctrl_c_does():
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 143 and "cleanup ran" in r.stdout, (r.returncode, r.stderr)
     assert r.stderr.strip() == "kvplan: terminated (SIGTERM)"
+
+
+def test_forked_sample_workers_end_on_sigterm_as_by_default():
+    """The CLI's SIGTERM handler (raise like Ctrl-C) was inherited by the forked sample workers, whose parent stops
+    them with terminate() (SIGTERM) on its error paths: they would unwind through the handler instead of ending."""
+    script = ("import signal, sys\n"
+              "import kvplan.cli as cli\n"
+              "from kvplan.evaluation.parallel import map_forked\n"
+              "cli._raise_on_sigterm()\n"
+              "def handler_here(_):\n"
+              "    return signal.getsignal(signal.SIGTERM) is signal.SIG_DFL\n"
+              "print(map_forked(handler_here, [0, 1, 2, 3], processes=2), handler_here(0))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    results, parent = r.stdout.strip().rsplit(" ", 1)
+    assert parent == "False" and "True" in results, r.stdout  # the workers' items: default; the parent's: the CLI's

@@ -87,11 +87,14 @@ def _score_share(model, plan, prepared, indices, attention, expect, prefix_key) 
 
 
 def _child_start() -> None:
-    """First thing in a forked child: Ctrl-C is the parent's to handle, and one torch thread,
-    set before any OpenMP region (the parent's thread pool did not survive the fork)."""
+    """First thing in a forked child: Ctrl-C is the parent's to handle, SIGTERM (the parent's
+    ``terminate()``) ends the child as by default, not through the handler the CLI installs
+    (``kvplan.cli``), and one torch thread, set before any OpenMP region (the parent's thread pool
+    did not survive the fork)."""
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     torch.set_num_threads(1)
 
 
