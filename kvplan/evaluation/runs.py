@@ -17,8 +17,8 @@ from ..plans._files import check_not_inputs, check_writable, existing_path
 from .baselines import evaluate_peer, head_sensitivity, headguard_from_sensitivity, named_plan, parse_peer
 from .harness import check_commits_any, evaluate, prepare_samples
 from .sweep import SWEEP_BITS, format_layers, format_ratios, format_table, sweep_prepared, write_sweep
-from .tasks import (DEFAULT_EVAL_TOKENS, DEFAULT_HISTORY_TOKENS, canonical_split, check_task, pad_token_id,
-                    task_samples)
+from .tasks import (ALL_RECORDS, DEFAULT_EVAL_TOKENS, DEFAULT_HISTORY_TOKENS, canonical_split, check_task,
+                    pad_token_id, task_samples)
 
 _MODELS: dict[tuple, Any] = {}
 
@@ -141,14 +141,20 @@ def _check_eval_arguments(plan_or_baseline, model, task, out) -> Plan | None:
     return plan
 
 
+def _search_on(plan: Plan | None, task: str) -> dict:
+    """``plan``'s ``metrics.search`` when that search drew its splits from ``task``, else ``{}``."""
+    search = (plan.metrics.get("search") if plan is not None else None) or {}
+    recorded = search.get("task")
+    return search if isinstance(recorded, dict) and recorded.get("name") == os.fspath(task) else {}
+
+
 def eval_settings(plan: Plan | None, task: str, seed: int | None, history_tokens: int | None,
                   eval_tokens: int | None) -> tuple[dict[str, int], list[str]]:
     """``({"seed", "history_tokens", "eval_tokens"}, the names taken from the plan)``: each setting
     given, else the one ``plan``'s search drew its splits with (``metrics.search``: its seed, and the
     built-in task's lengths) when it searched this ``task``, else 0 / 512 / 32."""
-    search = (plan.metrics.get("search") if plan is not None else None) or {}
-    recorded = search.get("task") if isinstance(search.get("task"), dict) else {}
-    plans = {**recorded, "seed": search.get("seed")} if recorded.get("name") == os.fspath(task) else {}
+    search = _search_on(plan, task)
+    plans = {**search["task"], "seed": search.get("seed")} if search else {}
     given = {"seed": seed, "history_tokens": history_tokens, "eval_tokens": eval_tokens}
     defaults = {"seed": 0, "history_tokens": DEFAULT_HISTORY_TOKENS, "eval_tokens": DEFAULT_EVAL_TOKENS}
     settings, from_plan = {}, []
@@ -169,11 +175,8 @@ def eval_sample_count(plan: Plan | None, task: str, split: str, samples: int | N
     this ``task``, else the default (:func:`resolve_sample_count`)."""
     if samples is not None:
         return samples, False
-    search = (plan.metrics.get("search") if plan is not None else None) or {}
-    recorded = search.get("task") if isinstance(search.get("task"), dict) else {}
-    same_split = split in ("calibration", "validation", "test", "heldout")  # not "all": every record, no count
-    measured = (plan.metrics.get(canonical_split(split)) if same_split and recorded.get("name") == os.fspath(task)
-                else None)
+    # not ALL_RECORDS: every record of the task, which no search measured
+    measured = plan.metrics.get(canonical_split(split)) if split != ALL_RECORDS and _search_on(plan, task) else None
     n = measured.get("n_samples") if isinstance(measured, dict) else None
     if isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 1 and float(n).is_integer():
         return int(n), True
