@@ -201,46 +201,26 @@ def _check_journal(path: str, name: str = "--storage") -> None:
     lock = JournalFileSymlinkLock(path)
     lock.acquire()
     try:
-        _drop_torn_tail(path, name)
-        with open(path, "rb") as f:
+        with open(path, "rb+") as f:
+            start = 0  # where the line being read begins
             for number, line in enumerate(f, start=1):
+                if not line.endswith(b"\n"):  # only the last line can: a write that never finished
+                    f.truncate(start)
+                    warnings.warn(f"kvplan: {name} {path}: dropped its last line ({len(line)} bytes without a "
+                                  "newline: a record whose write never finished, e.g. on a full disk or a killed "
+                                  "run); every whole record is kept", stacklevel=3)
+                    break
                 try:
-                    if not line.endswith(b"\n"):
-                        raise ValueError("the line is cut off")
                     record = json.loads(line)
                     op = record.get("op_code") if isinstance(record, dict) else None
                     if not isinstance(op, int) or (op_codes is not None and op not in op_codes):
                         raise ValueError("not an object with a known op_code")
                 except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
                     raise StorageError(f"{name} {path}: line {number} is not an Optuna journal record "
-                                       f"({one_line(str(e), 120)}); if a killed writer cut it off, remove that "
-                                       "line to resume the study") from None
+                                       f"({one_line(str(e), 120)}); remove that line to resume the study") from None
+                start += len(line)
     finally:
         lock.release()
-
-
-def _drop_torn_tail(path: str, name: str) -> None:
-    """Cut a last line that has no newline off the journal (see :func:`_check_journal`), saying so."""
-    with open(path, "rb+") as f:
-        size = f.seek(0, os.SEEK_END)
-        if size == 0:
-            return
-        f.seek(max(0, size - 1))
-        if f.read(1) == b"\n":
-            return
-        start = 0  # where the last line begins: after the last newline before it
-        block = 1 << 16
-        for end in range(size, 0, -block):
-            f.seek(max(0, end - block))
-            chunk = f.read(end - max(0, end - block))
-            at = chunk.rfind(b"\n")
-            if at >= 0:
-                start = max(0, end - block) + at + 1
-                break
-        f.truncate(start)
-    warnings.warn(f"kvplan: {name} {path}: dropped its last line ({size - start} bytes without a newline: a "
-                  "record whose write never finished, e.g. on a full disk or a killed run); every whole record "
-                  "is kept", stacklevel=3)
 
 
 def storage_file(storage) -> str | None:
