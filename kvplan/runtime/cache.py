@@ -376,16 +376,18 @@ class KVPlanLayer(CacheLayerMixin):
             )
         q, origin, total = self.owner.plan.quantizer, self.owner.grid_origin, self.get_seq_length()
 
-        def keeps_layout(removed: int) -> bool:
+        def breaks_layout(removed: int) -> tuple[bool, bool]:
+            """(the plan would keep committed tokens unquantized, the window would need freed tokens)"""
             left = total - removed
-            return (committed_length(left, q.residual_length, q.group_size, origin) >= self.committed
-                    and (self.window is None or sliding_kept_start(left, self.window, q.group_size, origin)
-                         >= self.dropped))
+            return (committed_length(left, q.residual_length, q.group_size, origin) < self.committed,
+                    self.window is not None and sliding_kept_start(left, self.window, q.group_size, origin)
+                    < self.dropped)
 
-        if keeps_layout(n):
+        broken = breaks_layout(n)
+        if not any(broken):
             return
-        most = next(m for m in range(n - 1, -1, -1) if keeps_layout(m))
-        if committed_length(total - n, q.residual_length, q.group_size, origin) < self.committed:
+        most = next(m for m in range(n - 1, -1, -1) if not any(breaks_layout(m)))
+        if broken[0]:
             why = (f"at {total - n} tokens the plan keeps its newest {q.residual_length} unquantized, and "
                    f"tokens up to position {self.committed - 1} are already quantized")
         else:
