@@ -113,6 +113,7 @@ def make_cache(model, plan, input_ids=None, attention_mask=None, labelling: Labe
     kernel = getattr(model, "_kvplan_attention_kernel", None)
     labelling = labelling_in_force(model, labelling)
     resolved = resolve_plan(plan, model, labelling)
+    check_storage_width(resolved, model, None)  # the model may have been cast since load (model.to(torch.bfloat16))
     cache = KVPlanCache(resolved, model, attention_kernel=kernel)  # refuses streamed heads outside kvplan's attention
     cache.align_to_padding(attention_mask)  # a left-padded batch: each row's sinks and key frame as unpadded
     if input_ids is not None:
@@ -184,7 +185,7 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
     source = os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else None
     resolved = resolve_plan(plan, model, labelling)
     check_modalities(resolved, model, source=source, labelling=labelling)
-    _check_storage_width(resolved, model, source)
+    check_storage_width(resolved, model, source)
     kernel = _attention_kernel(model, attention)
     # heavy-hitter copies are chosen by a prompt's attention, and streamed KV heads mask what they do not
     # store: kvplan's attention function runs on the dequantize route too
@@ -281,16 +282,19 @@ def _inferred_attention_mask(model, kwargs, input_ids):
     return ids.ne(pad[0]).long()  # [B, T]
 
 
-def _check_storage_width(plan: Plan, model, source: str | None) -> None:
+def check_storage_width(plan: Plan, model, source: str | None) -> None:
     """Warn when the plan states its bpv at another full-precision width than ``model`` stores (a plan
-    searched on an fp32 CPU model, deployed in bf16): the tokens it holds at full precision then take
-    the model's width, so the cache's bpv is not the stated one. Refuses dtypes kvplan does not store."""
+    searched on an fp32 CPU model, deployed in bf16, or a model cast after ``kvplan.load``): the tokens it
+    holds at full precision then take the model's width, so the cache's bpv is not the stated one. Once
+    per model, plan bpv and width (each ``generate`` makes a cache). Refuses dtypes kvplan does not store."""
     bits = storage_bits(model)
     stated = plan.reference.full_precision_bits
     if bits == stated:
         return
     mine, theirs = plan.bpv().total, plan.bpv(full_precision_bits=bits).total
-    if not math.isclose(mine, theirs, rel_tol=1e-12):
+    warned = model.__dict__.setdefault("_kvplan_width_warned", set())
+    if not math.isclose(mine, theirs, rel_tol=1e-12) and (mine, stated, bits) not in warned:
+        warned.add((mine, stated, bits))
         warnings.warn(f"{source or 'plan'}: states its bpv at {stated}-bit full-precision storage, but this model "
                       f"caches {bits}-bit values: its cache holds {theirs:.4f} bpv at {plan.reference.context_len} "
                       f"tokens, not the stated {mine:.4f} (the tokens it keeps at full precision)", stacklevel=3)

@@ -59,6 +59,30 @@ def test_a_plan_stated_at_another_width_warns_with_the_bpv_it_will_hold():
     kvplan.unload(model)
 
 
+def test_a_model_cast_after_load_is_warned_about_once_with_the_bpv_its_cache_holds():
+    """``model.to(torch.bfloat16)`` after ``kvplan.load``: the plan's full-precision tokens now take 16
+    bits, so the next ``generate`` says what its cache holds (the load-time check saw 32 bits), once."""
+    model = tiny_llama(head_dim=32)
+    plan = kvplan.uniform_plan(kvplan.Geometry.of(model), 4, 2,
+                               reference=Reference(context_len=300, full_precision_bits=32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kvplan.load(model, plan)  # fp32 model, plan stated at 32 bits: nothing to say
+    model.to(torch.bfloat16)
+    ids = _ids(300)
+    want = plan.bpv(full_precision_bits=16).total
+    try:
+        with pytest.warns(UserWarning, match=f"states its bpv at 32-bit .* caches 16-bit values: its cache holds "
+                                             f"{want:.4f} bpv at 300 tokens"):
+            out = model.generate(input_ids=ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once, not at every generate
+            model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)
+    finally:
+        kvplan.unload(model)
+    assert out.cache.get_seq_length() == 300 and out.cache.bpv() == pytest.approx(want, rel=1e-12)
+
+
 def test_a_float64_model_is_refused_in_one_line():
     model = tiny_llama(head_dim=32).to(torch.float64)
     with pytest.raises(KVPlanError, match="model dtype float64: kvplan caches float32, float16 or bfloat16"):
