@@ -18,7 +18,7 @@ from .baselines import evaluate_peer, head_sensitivity, headguard_from_sensitivi
 from .harness import check_commits_any, evaluate, prepare_samples
 from .sweep import SWEEP_BITS, format_layers, format_ratios, format_table, sweep_prepared, write_sweep
 from .tasks import (ALL_RECORDS, DEFAULT_EVAL_TOKENS, DEFAULT_HISTORY_TOKENS, canonical_split, check_task,
-                    pad_token_id, task_samples)
+                    pad_token_id, task_file_digest, task_samples)
 
 _MODELS: dict[tuple, Any] = {}
 
@@ -142,10 +142,25 @@ def _check_eval_arguments(plan_or_baseline, model, task, out) -> Plan | None:
 
 
 def _search_on(plan: Plan | None, task: str) -> dict:
-    """``plan``'s ``metrics.search`` when that search drew its splits from ``task``, else ``{}``."""
+    """``plan``'s ``metrics.search`` when that search drew its splits from ``task``, else ``{}``: a task file
+    with the bytes the search recorded (``sha256``), under any path or name; the built-in task, or a plan
+    searched before digests were recorded, by name."""
     search = (plan.metrics.get("search") if plan is not None else None) or {}
     recorded = search.get("task")
-    return search if isinstance(recorded, dict) and recorded.get("name") == os.fspath(task) else {}
+    if not isinstance(recorded, dict):
+        return {}
+    if recorded.get("sha256") is not None:
+        return search if task_file_digest(task) == recorded["sha256"] else {}
+    return search if recorded.get("name") == os.fspath(task) else {}
+
+
+def _searched_elsewhere(plan: Plan | None, task: str) -> str | None:
+    """The task ``plan``'s search drew its splits from, when that is not ``task`` (another file, or the file
+    changed since): eval then draws its own splits, and says so."""
+    recorded = ((plan.metrics.get("search") if plan is not None else None) or {}).get("task")
+    if not isinstance(recorded, dict) or "name" not in recorded or _search_on(plan, task):
+        return None
+    return str(recorded["name"])
 
 
 def eval_settings(plan: Plan | None, task: str, seed: int | None, history_tokens: int | None,
@@ -212,6 +227,10 @@ def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_
     if from_plan and verbose:
         print(f"kvplan eval: {', '.join(f'{n} {settings[n]}' for n in from_plan)} as the plan's search drew its "
               "splits (pass them to override)")
+    elsewhere = _searched_elsewhere(plan, task)
+    if elsewhere is not None and verbose:
+        print(f"kvplan eval: the plan was searched on task {elsewhere!r}, not on this one (another file, or its "
+              f"content changed since): its {split} split is drawn here at seed {seed}, not as the search drew it")
     check_task(task, {split: resolve_sample_count(task, samples)}, seed)
     source = os.fspath(plan_or_baseline) if isinstance(plan_or_baseline, (str, os.PathLike)) else None
     m, proc, ss, prepared, mods, kw = _prepared_task(model, dtype, task, split, samples, history_tokens,

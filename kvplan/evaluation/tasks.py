@@ -229,6 +229,12 @@ def _check_record(rec, path, line: int) -> None:
     unknown = sorted(set(rec) - set(RECORD_FIELDS))
     if unknown:
         raise _record_error(path, line, f"unknown fields {unknown}; a record has {list(RECORD_FIELDS)}")
+    for field in RECORD_FIELDS:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes
+        texts = rec.get(field) if isinstance(rec.get(field), list) else [rec.get(field)]
+        for text in texts:
+            if isinstance(text, str) and not _is_unicode_text(text):
+                raise _record_error(path, line, f"field {field!r} is not valid Unicode text (it holds a lone "
+                                    "surrogate, an unpaired \\ud800-\\udfff escape)")
     for key in ("history", "question"):
         if key not in rec:
             raise _record_error(path, line, f"missing field {key!r}")
@@ -265,33 +271,82 @@ def _check_record(rec, path, line: int) -> None:
         raise _record_error(path, line, "field 'id' must be a string or an integer", rec["id"])
 
 
+def _is_unicode_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+# what makes two records the same record: a split keyed by it keeps copies together, and a copy is refused
+_CONTENT_FIELDS = ("history", "images", "video", "question", "choices", "answer")
+
+
+def _content_key(rec: Mapping[str, Any]) -> str:
+    """A digest of a record's content (:data:`_CONTENT_FIELDS`), independent of its file, line and id."""
+    content = json.dumps({k: rec.get(k) for k in _CONTENT_FIELDS}, sort_keys=True, ensure_ascii=True)
+    return hashlib.sha256(content.encode()).hexdigest()
+
+
+def task_file_digest(task: str | os.PathLike) -> str | None:
+    """``sha256:<hex>`` of a JSONL task file's bytes (what a plan's search record names its task by, so that
+    ``kvplan eval`` finds the same data under another path); ``None`` for the built-in task or an
+    unreadable file."""
+    if os.fspath(task) == "default":
+        return None
+    digest = hashlib.sha256()
+    try:
+        with open(task, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return None
+    return "sha256:" + digest.hexdigest()
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Records of a JSONL task file, checked (raises :class:`TaskError` naming file:line and field)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise TaskError(f"{path}: task file not found" if not os.path.exists(path) else
-                        f"{path}: task must be a JSONL file, not a directory")
+        if not os.path.exists(path):
+            raise TaskError(f"{path}: task file not found")
+        kind = "a directory" if os.path.isdir(path) else "not a regular file (a pipe or a device?)"
+        raise TaskError(f"{path}: task must be a JSONL file, {'not ' if kind.startswith('a ') else ''}{kind}")
     size = os.path.getsize(path)
     if size > MAX_TASK_BYTES:
         raise TaskError(f"{path}: task file is {size} bytes; at most {MAX_TASK_BYTES} are read")
-    rows, ids = [], {}
+    rows, ids, contents = [], {}, {}
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = list(f)
-    except UnicodeDecodeError as e:
-        raise TaskError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as e:
         raise TaskError(f"{path}: cannot read the task file ({e.strerror})") from None
-    for i, line in enumerate(lines, 1):
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not part of the JSON
+    except UnicodeDecodeError as e:
+        skipped = 3 if raw.startswith(b"\xef\xbb\xbf") else 0
+        line = raw[:e.start + skipped].count(b"\n") + 1
+        raise TaskError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start + skipped} of the file)") from None
+    for i, line in enumerate(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"), 1):
         line = line.strip()
         if not line:
             continue
         try:
             rec = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as e:
-            raise _record_error(path, i, f"not valid JSON ({getattr(e, 'msg', 'nested too deeply')})") from None
+        except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, or an integer of > 4300 digits
+            why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply" if isinstance(
+                e, RecursionError) else str(e).split(";")[0]
+            raise _record_error(path, i, f"not valid JSON ({why})") from None
         _check_record(rec, path, i)
         rec = dict(rec)
+        key = _content_key(rec)
+        if key in contents:  # its copies could land in two splits: tested on what the search calibrated on
+            raise _record_error(path, i, f"the same record as line {contents[key]} (history, question, choices, "
+                                "answer and media all equal): a copy could land in another split and measure a "
+                                "plan on data it was searched on; remove it")
+        contents[key] = i
+        rec["_key"] = str(rec["id"]) if "id" in rec else "content:" + key  # what split_records hashes
         rec["id"] = str(rec.get("id", f"{os.path.basename(path)}:{i}"))
         if rec["id"] in ids:
             raise _record_error(path, i, f"duplicate id (also on line {ids[rec['id']]})", rec["id"])
@@ -306,10 +361,12 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def split_records(records: Sequence[dict[str, Any]], split: str, seed: int = 0) -> list[dict[str, Any]]:
-    """The records of ``split``: records ordered by a hash of ``(seed, id)``, then the first half
-    is calibration, the next quarter validation, the rest test (each non-empty from 3 records on)."""
+    """The records of ``split``: records ordered by a hash of ``seed`` and the record (its ``id`` when the
+    file gives one, else its content: not its file name or line, so a renamed or re-ordered file splits the
+    same way), then the first half is calibration, the next quarter validation, the rest test (each
+    non-empty from 3 records on)."""
     split = canonical_split(split)
-    order = sorted(records, key=lambda r: _hash(f"kvplan-records:{seed}:{r['id']}"))
+    order = sorted(records, key=lambda r: _hash(f"kvplan-records:{seed}:{r.get('_key', r['id'])}"))
     n = len(order)
     n_val = max(1, n // 4) if n >= 3 else 0
     n_test = max(1, n // 4) if n >= 2 else 0

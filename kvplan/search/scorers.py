@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from ..evaluation.tasks import DEFAULT_EVAL_TOKENS, DEFAULT_HISTORY_TOKENS
+from ..evaluation.tasks import DEFAULT_EVAL_TOKENS, DEFAULT_HISTORY_TOKENS, task_file_digest
 from ..models.geometry import Geometry, storage_bits
 from ..models.modality import TOKEN_IDS
 from ..plans import Plan, Reference
@@ -247,7 +247,9 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
 
     # how every split was drawn, recorded with the plan (metrics.search.task) so that kvplan eval measures a
     # plan on its own splits by default: the seed splits a task's records, the lengths cut the built-in task's
-    task_setup = {"name": os.fspath(task), **kw}
+    # (a task file is also named by its bytes' digest: eval finds it under another path or name)
+    digest = task_file_digest(task)
+    task_setup = {"name": os.fspath(task), **({"sha256": digest} if digest else {}), **kw}
 
     return TaskScorers(scorer(cal, "calibration"), scorer(val, "validation"), scorer(test, "test"))
 

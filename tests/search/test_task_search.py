@@ -32,6 +32,7 @@ def _text_task(path, n=9):
 def test_cli_search_on_a_text_jsonl_task_deploys_at_its_bpv(tmp_path):
     import kvplan
     from kvplan.evaluation import get_model, read_jsonl, split_records
+    from kvplan.evaluation.tasks import task_file_digest
 
     task = _text_task(tmp_path / "docs.jsonl")
     out = tmp_path / "plan.yaml"
@@ -44,13 +45,18 @@ def test_cli_search_on_a_text_jsonl_task_deploys_at_its_bpv(tmp_path):
     assert plan.metrics["search"]["n_profile_evals"] == 0  # --no-profile
     assert plan.modalities == ("text",) and plan.bpv().total <= 3 and plan.reference.context_len == 2048
     assert plan.metrics["test"]["n_samples"] == 2 and plan.metrics["validation"]["n_samples"] == 2
-    assert plan.metrics["search"]["task"] == {"name": str(task)} and plan.metrics["search"]["seed"] == 3
+    assert plan.metrics["search"]["task"] == {"name": str(task), "sha256": task_file_digest(task)}
+    assert plan.metrics["search"]["seed"] == 3
     # kvplan eval, no --seed: the plan's own test split (seed 0 would split the records another way, and
-    # could measure the plan on records the search calibrated on)
+    # could measure the plan on records the search calibrated on), also from a copy of the task file
     from kvplan.evaluation import run_eval
 
-    measured = run_eval(out, task=str(task), progress=False, verbose=False)
-    assert measured["task"]["seed"] == 3 and measured["kl"]["mean"] == plan.metrics["test"]["kl"]
+    copy = tmp_path / "elsewhere" / "renamed.jsonl"
+    copy.parent.mkdir()
+    copy.write_bytes(task.read_bytes())
+    for spelled in (task, copy):
+        measured = run_eval(out, task=str(spelled), progress=False, verbose=False)
+        assert measured["task"]["seed"] == 3 and measured["kl"]["mean"] == plan.metrics["test"]["kl"], spelled
     model, tok = get_model()
     # a test record, as a user would run it: kvplan.load, then generate on its history
     rec = split_records(read_jsonl(task), "test", seed=3)[0]
