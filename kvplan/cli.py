@@ -106,9 +106,12 @@ def _cmd_search(args) -> int:
     if result.finalized_by is not None:
         by = result.finalized_by
         who = f"(host {by.get('host')}, pid {by.get('pid')}, worker {by.get('worker')})"
-        if result.paths:  # this command's earlier run: its missing files were written again from the study
+        if result.export == "rewritten":  # this command's earlier run: its missing files written again
             print(f"study {result.study.study_name}: measured and exported earlier {who}; its plan files were "
                   "missing here and are written again as recorded; its plans:")
+        elif result.export == "in place":
+            print(f"study {result.study.study_name}: measured and exported earlier {who}, by this command; its "
+                  "plan files are in place, as recorded; its plans:")
         else:
             print(f"study {result.study.study_name}: finalized by another worker {who}, which wrote the plan "
                   "files; its plans:")

@@ -433,12 +433,14 @@ def test_search_keeps_its_study_in_a_journal_beside_out_unless_told_not_to(monke
     assert seen[-1]["storage"] is not None and "kept in" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("paths,says", [
-    ({}, "finalized by another worker (host h, pid 7, worker None), which wrote"),
-    ({"plan": "p.yaml"}, "its plan files were missing here and are written again")])
-def test_search_says_who_exported_a_finished_study_and_whether_it_was_written_again(monkeypatch, capsys, paths, says):
-    """A finished study's export reused: written by another worker, or this command's own earlier run whose
-    missing files were written again here (it was reported as another worker's, whose files are elsewhere)."""
+@pytest.mark.parametrize("export,paths,says", [
+    ("elsewhere", {}, "finalized by another worker (host h, pid 7, worker None), which wrote"),
+    ("rewritten", {"plan": "p.yaml"}, "its plan files were missing here and are written again"),
+    ("in place", {"plan": "p.yaml"}, "by this command; its plan files are in place, as recorded")])
+def test_search_says_who_exported_a_finished_study_and_whether_it_was_written_again(monkeypatch, capsys, export,
+                                                                                    paths, says):
+    """A finished study's export reused: written by another worker, or this command's own earlier run, whose
+    missing files were written again here or are still in place (both were reported as another worker's)."""
     import types
 
     import kvplan.search
@@ -446,7 +448,7 @@ def test_search_says_who_exported_a_finished_study_and_whether_it_was_written_ag
 
     result = types.SimpleNamespace(finalized_by={"host": "h", "pid": 7}, plans={}, paths=paths, n_real_evals=0,
                                    n_study_trials=5, n_profile_evals=0, n_non_finite_evals=0, elapsed_s=0.0,
-                                   study=types.SimpleNamespace(study_name="s"))
+                                   study=types.SimpleNamespace(study_name="s"), export=export)
     monkeypatch.setattr(kvplan.search, "search", lambda **kw: result)
     assert main(["search", "--quiet", "--no-journal"]) == 0
     assert says in capsys.readouterr().out

@@ -138,8 +138,11 @@ class SearchResult:
     elapsed_s: float
     paths: dict[str, str] = field(default_factory=dict)
     n_non_finite_evals: int = 0  # this run's measurements whose KL was not finite: FAILed, not trials
-    finalized_by: dict | None = None  # who measured and exported the plans, when not this call (``paths``:
-    # set when this call wrote that export again at its ``out``, its files having gone missing)
+    finalized_by: dict | None = None  # who measured and exported the plans, when not this call
+    # what this call did with the export: "written" (measured and written now), "rewritten" (an earlier run of
+    # the same command measured it, and its files at ``out`` had gone missing), "in place" (that earlier run's
+    # files hold it), "elsewhere" (another worker wrote it at its own ``out``; ``paths`` is empty)
+    export: str = "written"
 
     @property
     def n_study_trials(self) -> int:
@@ -1218,29 +1221,36 @@ def _run_study(*, study, study_name, label, persistent, hb, owner, identity, con
     if "result" in holder:
         res = holder["result"]
         plans, paths, curve, front = res["plans"], res["paths"], res["curve"], res["pareto"]
-        finalized_by = None
+        finalized_by, export = None, "written"
     else:  # measured and exported before (by another worker, or by this command run earlier)
         plans = {float(b): Plan.from_yaml(text) for b, text in final["plans"].items()}
         paths, finalized_by = {}, final.get("by")
         done = sorted(s.complete(), key=lambda t: t.number)
         curve, front = _curve_and_front(done)
         by = finalized_by if isinstance(finalized_by, dict) else {}
-        if _export_missing_here(final, out, owner):
+        here = _export_here(final, out, owner)
+        if here == "missing":
             # the same command run again after its plan was deleted or overwritten: write the recorded
             # export again, as it was measured (no new measurement, the same run_id)
             paths = _write_export(out, plans, done=done, run_id=final["run_id"], space=space, budgets=budgets,
                                   multi=multi, desc=desc, prof=prof, study=study, curve=curve, front=front,
                                   seed=seed, study_name=study_name, storage_label=label, finalized_by=by)
+            export = "rewritten"
             say(f"study {study_name} was already measured and exported (run {final['run_id']}); its files were "
                 f"missing at {paths['plan']} and are written again from the study")
+        elif here == "in place":  # the same command run again: its files hold that export, left as they are
+            paths, export = dict(final["paths"]), "in place"
+            say(f"study {study_name} was already measured and exported (run {final['run_id']}) to "
+                f"{paths.get('plan')}, whose files hold it: nothing new to measure or write")
         else:
+            export = "elsewhere"
             say(f"study {study_name} was finalized by worker {describe(by.get('worker'))} (host "
                 f"{describe(by.get('host'))}, pid {describe(by.get('pid'))}); plan written there: "
                 f"{describe(final.get('paths', {}).get('plan'))}")
     return SearchResult(plan=plans[min(plans)], plans=plans, study=study, space=space, budgets=budgets, profile=prof,
                         curve=curve, pareto=front, n_real_evals=s.n_evals, n_profile_evals=n_profile_evals,
                         elapsed_s=time.perf_counter() - t_start, paths=paths, finalized_by=finalized_by,
-                        n_non_finite_evals=s.n_non_finite)
+                        n_non_finite_evals=s.n_non_finite, export=export)
 
 
 def _split_identity(scorer) -> str | None:
@@ -1368,23 +1378,24 @@ def _write_export(out, plans: Mapping[float, Plan], *, done, run_id, space, budg
     return paths
 
 
-def _export_missing_here(final: Mapping, out, owner: Mapping) -> bool:
-    """Whether a study's recorded export was written on this host at this call's ``out`` and its files are
-    no longer all there holding that export (deleted, or overwritten by another search)."""
+def _export_here(final: Mapping, out, owner: Mapping) -> str | None:
+    """Where a study's recorded export stands at this call's ``out``: ``None`` when it was not written on this
+    host at that ``out`` (another worker's), ``"missing"`` when its files are no longer all there holding that
+    export (deleted, or overwritten by another search), else ``"in place"``."""
     recorded = final.get("paths") or {}
     by = final.get("by") if isinstance(final.get("by"), Mapping) else {}
     wanted = output_paths(out, [float(b) for b in final["plans"]]) if out is not None else {}
     if not wanted or by.get("host") != owner.get("host") or any(recorded.get(k) != v for k, v in wanted.items()):
-        return False
+        return None
     for role, path in wanted.items():
         if not os.path.isfile(path):
-            return True
+            return "missing"
         if role.startswith("plan@"):
             try:  # the hardened plan reader: a replaced file may hold anything
                 metrics = Plan.from_yaml(path).metrics
             except (OSError, KVPlanError):
-                return True
+                return "missing"
             search = metrics.get("search") if isinstance(metrics.get("search"), Mapping) else {}
             if search.get("run_id") != final.get("run_id"):
-                return True
-    return False
+                return "missing"
+    return "in place"

@@ -272,11 +272,16 @@ def test_a_finished_search_run_again_writes_its_missing_files_back_as_recorded(t
     out = tmp_path / "plan.yaml"
     kw = dict(budget=3.0, n_trials=5, out=out, keep_trials=True, worker=0, **FAST)
     first = search(scorer=SyntheticScorer(), **kw)
+    assert first.export == "written"
     written = {f: (tmp_path / f).read_bytes() for f in ("plan.yaml", "plan.trials.csv", "plan.search.json")}
-    out.unlink()
     sc = SyntheticScorer()
+    intact = search(scorer=sc, **kw)  # run again, files in place: said to be this command's, at their path
+    assert sc.calls == 0 and intact.export == "in place" and intact.paths["plan"] == str(out)
+    assert {f: (tmp_path / f).read_bytes() for f in written} == written
+    out.unlink()
     again = search(scorer=sc, **kw)
     assert sc.calls == 0 and again.finalized_by is not None and again.paths["plan"] == str(out)
+    assert again.export == "rewritten"
     assert {f: (tmp_path / f).read_bytes() for f in written} == written  # the same export, the same run_id
     search(scorer=SyntheticScorer(), **{**kw, "budget": 2.8})  # another setup's study overwrites the files
     assert Plan.from_yaml(out).target_bpv == 2.8
