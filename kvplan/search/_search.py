@@ -1041,7 +1041,8 @@ def _check_identity(study: optuna.Study, identity: dict, study_name: str, label,
         return
     for what, key in (("model", "model"), ("task data hash", "data_hash"), ("budget", "budgets"),
                       ("single/multi-objective mode", "multi_objective"), ("budget reference", "reference"),
-                      ("search space", "space")):
+                      ("search space", "space"), ("sensitivity profile", "profile"),
+                      ("head profile", "head_profile")):
         if old.get(key) != identity.get(key):
             a, b = old.get(key), identity.get(key)
             if isinstance(a, dict) and isinstance(b, dict):  # name the first differing field

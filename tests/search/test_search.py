@@ -386,6 +386,20 @@ def test_a_search_kept_in_its_own_journal_measures_what_the_same_search_in_memor
     assert trials(kept) == trials(memory) and kept.plan.to_dict()["bits"] == memory.plan.to_dict()["bits"]
 
 
+def test_a_worker_with_another_profile_setting_is_refused_by_a_shared_study(tmp_path):
+    """The identity recorded the profile setting but the check did not compare it: a worker asking for a
+    profile joined a study set up without one and searched without it, saying nothing."""
+    kw = dict(budget=2.6, n_candidates=6, n_local=10, progress=False, study_name="x", stream_window=0)  # one space
+    search(n_trials=6, scorer=SyntheticScorer(), profile=False, storage=str(tmp_path / "s.journal"), **kw)
+    with pytest.raises(KVPlanError, match="another sensitivity profile than the study \\(profile: study 'off', "
+                                          "this worker None\\)"):
+        search(n_trials=8, scorer=SyntheticScorer(), storage=str(tmp_path / "s.journal"), **kw)
+    search(n_trials=4, scorer=SyntheticScorer(), profile_head_units=2, storage=str(tmp_path / "t.journal"), **kw)
+    with pytest.raises(KVPlanError, match="another head profile than the study \\(head_profile: study 2, "
+                                          "this worker 3\\)"):
+        search(n_trials=5, scorer=SyntheticScorer(), profile_head_units=3, storage=str(tmp_path / "t.journal"), **kw)
+
+
 def test_a_study_resumed_at_another_token_layout_is_refused_or_kept_apart(tmp_path):
     """The study's identity left out the reference's measured layout: a rerun stating the same data as one
     run per modality (--context) resumed a study measured on the interleaved runs, chose by the bpv its
