@@ -300,9 +300,11 @@ class _Searcher:
 
     # ---------------------------------------------------------------- seeds
     def enqueue_seeds(self, include_baselines: bool) -> int:
+        """Queue the study's seeds once: ``kvplan.seeded`` is set after the last one is queued (other workers
+        wait for it, and a seeding cut short by Ctrl-C or a kill is done again), and a seed already measured,
+        queued or in flight is not queued twice."""
         if self.study.user_attrs.get("kvplan.seeded"):
             return 0
-        self.study.set_user_attr("kvplan.seeded", True)
         seeds: list[tuple[np.ndarray, Any, str]] = []
         for b in sorted(self.budgets):
             for q in self.model.feasible_quantizers(b):
@@ -334,7 +336,7 @@ class _Searcher:
                     if not any((k2 >= kb and v2 >= vb and (k2, v2) != (kb, vb)) for k2, v2, _ in fits):
                         name = f"k{kb}v{vb}" if kb != vb else f"int{kb}"
                         seeds.append((lv, q, f"baseline:{name}-g{q.group_size}-r{q.residual_length}"))
-        seen = self.evaluated_keys()
+        seen = self.evaluated_keys() | self.queued_keys()
         n = 0
         for lv, q, source in seeds:
             k = key_hash(_key(lv, q))
@@ -343,7 +345,17 @@ class _Searcher:
             seen.add(k)
             self.study.enqueue_trial(self.space.params_of(lv, q), user_attrs={"kvplan.source": source})
             n += 1
+        self.study.set_user_attr("kvplan.seeded", True)
         return n
+
+    def queued_keys(self) -> set[str]:
+        """Plan keys of the trials enqueued with fixed parameters that are waiting or being measured."""
+        out = set()
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING)):
+            fixed = t.system_attrs.get("fixed_params")
+            if isinstance(fixed, dict) and fixed:
+                out.add(key_hash(self._key_of_params(fixed)))
+        return out
 
     # ---------------------------------------------------------------- trials this worker holds
     def _set_attr(self, trial, key, value) -> bool:

@@ -359,6 +359,35 @@ def test_an_interrupted_streaming_calibration_keeps_its_first_evaluation(tmp_pat
     assert resumed.profile == fresh.profile and resumed.plan.to_dict()["bits"] == fresh.plan.to_dict()["bits"]
 
 
+def test_a_seeding_cut_short_queues_the_rest_of_the_seeds_on_the_rerun(tmp_path, monkeypatch):
+    """The study was marked seeded before its seeds were queued: Ctrl-C after the second seed left the other
+    seeds out of the study for good (and another worker could ask unseeded trials while seeds were queued)."""
+    kw = dict(budget=3.0, n_trials=30, keep_trials=True, worker=0, **FAST)
+
+    def seeds(r):
+        return sorted(t.user_attrs["kvplan.source"] for t in r.study.get_trials()
+                      if t.user_attrs.get("kvplan.source", "tpe").split("@")[0] in ("greedy", "knapsack")
+                      or t.user_attrs.get("kvplan.source", "").startswith("baseline:"))
+
+    fresh = search(scorer=SyntheticScorer(), out=tmp_path / "a" / "plan.yaml", **kw)
+    assert len(seeds(fresh)) > 3
+    enqueue, calls = optuna.Study.enqueue_trial, []
+
+    def interrupted(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return enqueue(self, *a, **k)
+
+    monkeypatch.setattr(optuna.Study, "enqueue_trial", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        search(scorer=SyntheticScorer(), out=tmp_path / "b" / "plan.yaml", **kw)
+    monkeypatch.setattr(optuna.Study, "enqueue_trial", enqueue)
+    resumed = search(scorer=SyntheticScorer(), out=tmp_path / "b" / "plan.yaml", **kw)
+    assert seeds(resumed) == seeds(fresh)  # every seed once: the two queued before the cut are not queued again
+    assert resumed.plan.to_dict()["bits"] == fresh.plan.to_dict()["bits"]
+
+
 def test_resumable_measurements_take_what_was_saved_and_save_every_few_and_at_the_end():
     from kvplan.search.sensitivity import PROFILE_SAVE_EVERY, ResumableMeasurements
 
