@@ -837,7 +837,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     t_start = time.perf_counter()
     check_seed(seed)
     # in increasing order, whatever order they were given in: a study's name and setup do not depend on it
-    budgets = sorted(parse_budget(b) for b in (budget if isinstance(budget, (list, tuple)) else [budget]))
+    given = budget if isinstance(budget, (list, tuple)) else [budget]
+    if not given:
+        raise BudgetError(f"budget={budget!r}: no budget given; give one (e.g. '2.5bpv') or several")
+    budgets = sorted(parse_budget(b) for b in given)
     twice = sorted({b for b in budgets if budgets.count(b) > 1})
     if twice:  # one plan per budget: a repeat would name other files than the export writes (--out itself)
         raise BudgetError(f"budget {', '.join(f'{b:g}' for b in twice)} bpv is given more than once "
@@ -870,7 +873,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
 
         task_options = dict(n_calibration=samples, n_validation=validation_samples, n_test=test_samples,
                             history_tokens=history_tokens, eval_tokens=eval_tokens)
-        for name, value, least in (("samples", samples, 1), ("validation_samples", validation_samples, 0),
+        for name, value, least in (("n_trials", n_trials, 1), ("samples", samples, 1),
+                                   ("validation_samples", validation_samples, 0),
                                    ("test_samples", test_samples, 0), ("history_tokens", history_tokens, 1),
                                    ("eval_tokens", eval_tokens, 1)):
             if value is not None and not is_whole_number(value, least):

@@ -388,6 +388,25 @@ def test_a_seeding_cut_short_queues_the_rest_of_the_seeds_on_the_rerun(tmp_path,
     assert resumed.plan.to_dict()["bits"] == fresh.plan.to_dict()["bits"]
 
 
+@pytest.mark.parametrize("n_trials", ["3", 0, -1, 2.5, True])
+def test_a_trial_count_that_is_no_positive_integer_is_refused_before_any_work(n_trials):
+    """``search(n_trials="3")`` failed after the model load with a TypeError, ``n_trials=0`` said the search had
+    no successful evaluation, and ``2.5`` ran."""
+    sc = SyntheticScorer()
+    with pytest.raises(KVPlanError, match=f"n_trials={n_trials!r}: must be an integer of at least 1"):
+        search(budget=3.0, n_trials=n_trials, scorer=sc, **FAST)
+    assert sc.calls == 0
+
+
+@pytest.mark.parametrize("budget", [[], ()])
+def test_an_empty_budget_list_is_refused_as_a_budget(budget):
+    """It failed after the model load with ``max() arg is an empty sequence``."""
+    sc = SyntheticScorer()
+    with pytest.raises(BudgetError, match=r"budget=.*: no budget given"):
+        search(budget=budget, n_trials=3, scorer=sc, **FAST)
+    assert sc.calls == 0
+
+
 def test_resumable_measurements_take_what_was_saved_and_save_every_few_and_at_the_end():
     from kvplan.search.sensitivity import PROFILE_SAVE_EVERY, ResumableMeasurements
 
