@@ -295,3 +295,11 @@ class Provenance:
     produced_by: str = "manual"
     seed: int | None = None
     data_hash: str | None = None
+
+    def __post_init__(self):
+        for key in ("kvplan_version", "produced_by", "data_hash"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, str):
+                raise PlanError(f"provenance.{key}", "must be a string", value)
+        if self.seed is not None:
+            check_int(self.seed, "provenance.seed")

@@ -106,14 +106,23 @@ class Plan:
         return [(int(l), int(h)) for l, h in np.argwhere((self.code_table() == STREAMED)[:, :, 0, 0])]
 
     def slot_bits(self, layer: int, head: int, kind: str, modality: str) -> int:
+        """Bits of one slot (0: a streamed head's)."""
+        check_int(layer, "layer", 0, self.geometry.num_layers - 1)  # -1 would read the last layer's
+        check_int(head, "head", 0, self.geometry.num_kv_heads - 1)
+        check_choice(kind, "kind", KINDS)
+        check_choice(modality, "modality", self.modalities)
         return int(self.table()[layer, head, KINDS.index(kind), self.modalities.index(modality)])
+
+    def __hash__(self) -> int:  # the generated one hashed the metrics dict: hash(plan) always failed
+        """Equal plans hash alike: by :meth:`content_digest` and what it leaves out but ``==`` compares."""
+        return hash((self.content_digest(), self.name, self.target_bpv))
 
     @classmethod
     def from_table(cls, table: np.ndarray, geometry: Geometry, modalities=(DEFAULT_MODALITY,), **kwargs) -> "Plan":
         """Plan with exactly these per-slot bits (or format codes, see :meth:`code_table`),
         written compactly as a default plus rules."""
         modalities = tuple(modalities)
-        table = np.asarray(table, dtype=np.int64)
+        table = whole_table(table)
         expected = (geometry.num_layers, geometry.num_kv_heads, 2, len(modalities))
         if table.shape != expected:
             raise PlanError("bits", f"table shape must be {expected}", table.shape)
@@ -122,7 +131,7 @@ class Plan:
 
     def with_table(self, table: np.ndarray, **changes) -> "Plan":
         """Copy with new per-slot bits or format codes (and any other field changes)."""
-        default, rules = compress(np.asarray(table, dtype=np.int64), self.modalities)
+        default, rules = compress(whole_table(table), self.modalities)
         return replace(self, default_bits=default, rules=tuple(rules), **changes)
 
     def replace(self, **changes) -> "Plan":
@@ -136,6 +145,9 @@ class Plan:
         Defaults to the plan's own geometry and reference (context length, modality mix; at the
         reference length with no mix given, the measured ``reference.layout`` when there is one).
         """
+        if geometry is not None and not isinstance(geometry, Geometry):  # plan.bpv(768) meant a context length
+            raise PlanError("geometry", "must be a kvplan.Geometry (a context length is plan.bpv(context_len=N))",
+                            geometry)
         ref = self.reference
         if context_len is not None:  # a numpy integer (a length read off an array) is a whole number too
             context_len = check_int(int(context_len) if isinstance(context_len, np.integer) else context_len,
@@ -291,7 +303,14 @@ class Plan:
         return [note for note in (self.edited_note(), self.over_target_note()) if note]
 
     def to_yaml(self, path: str | os.PathLike | None = None, flat: bool = False) -> str:
-        """Serialize; with ``path`` the file is written atomically (temp file + rename)."""
+        """Serialize; with ``path`` the file is written atomically (temp file + rename). A plan whose file would
+        not read back (sliding layers without their window: a version-1 file's, or a Geometry built without
+        one) is refused."""
+        g = self.geometry
+        if g.sliding_window is None and "sliding" in g.layer_types:  # a file of this schema must record it
+            raise PlanError("model.sliding_window", "missing: the plan has sliding layers, and a plan file records "
+                            "their window (give the Geometry its sliding_window, e.g. Geometry.of(model))",
+                            show_value=False)
         text = "# kvplan plan — load with kvplan.load(model, this_file)\n" + dump_plan_yaml(self.to_dict(flat=flat))
         if path is not None:
             atomic_write_text(path, text)
@@ -385,8 +404,29 @@ def _check_metrics(obj, path, depth=0):
         raise PlanError(path, "metrics hold only finite numbers, strings, booleans, null, lists and mappings", obj)
 
 
+def whole_table(table) -> np.ndarray:
+    """``table`` (per-slot bits or format codes) as ``int64``; a value that is not a whole number is refused
+    (converting it would truncate 2.9 bits to 2 without a word)."""
+    arr = np.asarray(table)
+    if arr.dtype.kind in "iu":
+        return arr.astype(np.int64)
+    flat = arr.ravel()
+    for value in flat:
+        whole = isinstance(value, (int, np.integer)) or (isinstance(value, (float, np.floating))
+                                                         and math.isfinite(value) and float(value).is_integer())
+        if isinstance(value, (bool, np.bool_)) or not whole:
+            raise PlanError("bits", "per-slot bits must be whole numbers", value.item() if hasattr(value, "item")
+                            else value)
+    return arr.astype(np.int64)
+
+
 def _validate_semantics(p: Plan) -> None:
     g = p.geometry
+    if p.name is not None:  # what a plan file may hold (the parser's checks), so that a written plan reads back
+        check_str(p.name, "name")
+    check_str(g.model_type, "model.model_type")
+    if not isinstance(p.provenance, Provenance):
+        raise PlanError("provenance", "must be a kvplan.plans.Provenance", p.provenance)
     if g.num_layers * g.num_kv_heads > MAX_KV_UNITS:
         raise PlanError("model", f"num_layers x num_kv_heads is {g.num_layers * g.num_kv_heads}; plans cover at "
                         f"most {MAX_KV_UNITS} (layer, KV head) pairs", show_value=False)

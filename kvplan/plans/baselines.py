@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..models.geometry import Geometry, storage_bits
-from ._checks import DEFAULT_MODALITY
+from ._checks import DEFAULT_MODALITY, check_int
 from ._fields import Provenance, QuantizerSettings, Reference
 from ._plan import Plan
 
@@ -39,7 +39,8 @@ def uniform_plan(geometry: Geometry, key_bits: int, value_bits: int | None = Non
     """Every slot at the same bits (``value_bits`` defaults to ``key_bits``)."""
     value_bits = key_bits if value_bits is None else value_bits
     modalities = tuple(modalities)
-    table = np.empty((geometry.num_layers, geometry.num_kv_heads, 2, len(modalities)), dtype=np.int64)
+    # dtype object: a fractional width reaches Plan.from_table's check instead of being truncated here
+    table = np.empty((geometry.num_layers, geometry.num_kv_heads, 2, len(modalities)), dtype=object)
     table[:, :, 0, :] = key_bits
     table[:, :, 1, :] = value_bits
     q = QuantizerSettings(group_size=group_size, key_axis=key_axis, value_axis=value_axis,
@@ -85,7 +86,7 @@ def layerwise_plan(geometry: Geometry, pairs: Sequence[tuple[int, int]], **kwarg
     if len(pairs) != geometry.num_layers:
         raise PlanError("pairs", f"need one (K, V) pair per layer ({geometry.num_layers})", len(pairs))
     plan = uniform_plan(geometry, 16, 16, **kwargs)
-    table = plan.table()
+    table = plan.table().astype(object)  # as uniform_plan: fractional bits are refused, not truncated
     for layer, (kb, vb) in enumerate(pairs):
         table[layer, :, 0, :] = kb
         table[layer, :, 1, :] = vb
@@ -99,9 +100,17 @@ def headguard_plan(geometry: Geometry, protected: Sequence[tuple[int, int]], *, 
     (of ``protected_modality``, or all modalities) at high precision; everything else is low-bit.
     """
     plan = uniform_plan(geometry, low_bits[0], low_bits[1], **kwargs)
-    table = plan.table()
+    table = plan.table().astype(object)  # as uniform_plan: fractional bits are refused, not truncated
+    if protected_modality is not None and protected_modality not in plan.modalities:
+        raise PlanError("protected_modality", f"must be one of the plan's modalities {list(plan.modalities)}",
+                        protected_modality)
     mods = [plan.modalities.index(protected_modality)] if protected_modality else list(range(len(plan.modalities)))
-    for layer, head in protected:
+    for i, pair in enumerate(protected):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise PlanError(f"protected[{i}]", "must be a (layer, KV head) pair", pair)
+        layer, head = (int(x) if isinstance(x, np.integer) else x for x in pair)  # np.argwhere's are indices too
+        check_int(layer, f"protected[{i}] layer", 0, geometry.num_layers - 1)
+        check_int(head, f"protected[{i}] KV head", 0, geometry.num_kv_heads - 1)
         for m in mods:
             table[layer, head, 0, m] = protected_key_bits
             if protected_value_bits is not None:
