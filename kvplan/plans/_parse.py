@@ -197,6 +197,6 @@ def _reference(ref_d) -> Reference:
 
 def _provenance(prov) -> Provenance:
     check_keys(prov, "provenance", [], ["kvplan_version", "produced_by", "seed", "data_hash"])
-    return Provenance(  # which checks its fieldskvplan_version=prov.get("kvplan_version", __version__),
+    return Provenance(kvplan_version=prov.get("kvplan_version", __version__),  # which checks its fields
                       produced_by=prov.get("produced_by", "manual"), seed=prov.get("seed"),
                       data_hash=prov.get("data_hash"))

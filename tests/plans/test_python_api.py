@@ -96,3 +96,10 @@ def test_plans_hash_and_equal_plans_hash_alike():
     assert a == b and hash(a) == hash(b) and len({a, b, uniform_plan(G, 4, 4)}) == 2
     with_metrics = a.replace(metrics={"test": {"kl": 0.1}})
     assert hash(with_metrics) == hash(with_metrics.replace())
+
+
+def test_a_plan_files_provenance_reads_back_as_written(tmp_path):
+    """Provenance checks its own fields now; the reader still passes every one of them through."""
+    prov = Provenance(kvplan_version="0.0.1", produced_by="search", seed=7, data_hash="sha256:abc")
+    plan = uniform_plan(G, 4, 2).replace(provenance=prov)
+    assert Plan.from_yaml(plan.to_yaml(tmp_path / "p.yaml")).provenance == prov
