@@ -113,7 +113,6 @@ def make_cache(model, plan, input_ids=None, attention_mask=None, labelling: Labe
     kernel = getattr(model, "_kvplan_attention_kernel", None)
     labelling = labelling_in_force(model, labelling)
     resolved = resolve_plan(plan, model, labelling)
-    check_storage_width(resolved, model, None)  # the model may have been cast since load (model.to(torch.bfloat16))
     cache = KVPlanCache(resolved, model, attention_kernel=kernel)  # refuses streamed heads outside kvplan's attention
     cache.align_to_padding(attention_mask)  # a left-padded batch: each row's sinks and key frame as unpadded
     if input_ids is not None:
@@ -185,7 +184,7 @@ def load(model, plan, attention: str = "auto", labelling: Labelling | None = Non
     source = os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else None
     resolved = resolve_plan(plan, model, labelling)
     check_modalities(resolved, model, source=source, labelling=labelling)
-    check_storage_width(resolved, model, source)
+    _check_storage_width(resolved, model, source)
     kernel = _attention_kernel(model, attention)
     # heavy-hitter copies are chosen by a prompt's attention, and streamed KV heads mask what they do not
     # store: kvplan's attention function runs on the dequantize route too
@@ -216,6 +215,7 @@ def _generate(self, *args, **kwargs):
     mask = kwargs.get("attention_mask")
     if mask is None and input_ids is not None:  # generate infers one from pad_token_id: align to the same
         mask = _inferred_attention_mask(self, kwargs, input_ids)
+    _check_storage_width(self.kvplan_plan, self, None)  # the model may have been cast since load (model.to(...))
     if given is None and uses_cache:
         _require_ids(self.kvplan_plan, input_ids, None)
         kwargs["cache"] = make_cache(self, self.kvplan_plan, input_ids, mask)
@@ -282,7 +282,7 @@ def _inferred_attention_mask(model, kwargs, input_ids):
     return ids.ne(pad[0]).long()  # [B, T]
 
 
-def check_storage_width(plan: Plan, model, source: str | None) -> None:
+def _check_storage_width(plan: Plan, model, source: str | None) -> None:
     """Warn when the plan states its bpv at another full-precision width than ``model`` stores (a plan
     searched on an fp32 CPU model, deployed in bf16, or a model cast after ``kvplan.load``): the tokens it
     holds at full precision then take the model's width, so the cache's bpv is not the stated one. Once

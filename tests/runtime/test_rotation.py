@@ -11,7 +11,6 @@ import kvplan
 from kvplan import Geometry, uniform_plan
 from kvplan.kernels.rotation import Rotation, hadamard_matrix, rope_rotate
 from kvplan.models import rope_inv_freq
-from kvplan.plans import at_model_width
 from kvplan.runtime.storage import PackedBlock
 from tests.runtime.routes import KERNELS, generate_like_dequantize, generated_cache
 from tests.tiny_models import tiny_llama
@@ -133,11 +132,10 @@ def test_load_warns_when_the_plans_rope_frequencies_are_not_the_models():
     import warnings
 
     model = tiny_llama()
-    plan = _rotated(uniform_plan(Geometry.of(model), 2, 4, residual_length=8, group_size=32, **at_model_width(model)),
-                    model)
+    plan = _rotated(uniform_plan(Geometry.of(model), 2, 4, residual_length=8, group_size=32), model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        kvplan.make_cache(model, plan)  # the model's own frequencies (and storage width): silent
+        kvplan.make_cache(model, plan)  # the model's own frequencies: silent
     other = plan.replace(rope_inv_freq=tuple(2 * f for f in plan.rope_inv_freq))
     with pytest.warns(UserWarning, match="rope_inv_freq .* differs from this model's RoPE frequencies"):
         kvplan.make_cache(model, other)
