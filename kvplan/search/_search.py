@@ -102,8 +102,8 @@ from ..plans._files import (budget_plan_path, check_not_inputs, check_writable, 
 from ._workers import (POLL_S, add_running, decode_array, encode_array, in_flight, key_hash, quiet_ask, reserve,
                        run_once, tell)
 from .storage import (DEFAULT_GRACE_S, DEFAULT_HEARTBEAT_S, Heartbeat, RetryStale, check_journal_file,
-                      describe_storage, fail_and_requeue, fail_orphaned_trials, is_persistent, make_storage,
-                      owner_attrs, storage_file, trial_owner)
+                      describe_storage, fail_and_requeue, fail_orphaned_trials, hold_journal, is_persistent,
+                      make_storage, owner_attrs, storage_file, trial_owner)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -855,6 +855,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
             storage = journal_path(out)
             check_writable(storage, OWN_JOURNAL, is_dir=False)
             check_journal_file(storage, OWN_JOURNAL)
+            if os.path.exists(storage):  # a search running with this --out: refused before the model loads
+                probe = hold_journal(storage, OWN_JOURNAL)  # (held for good once the storage is open, below)
+                if probe is not None:
+                    probe.close()
         named = {(f"--out's {key[5:]} bpv plan" if len(budgets) > 1 else "--out") if key.startswith("plan@")
                  else f"--out's {key} sidecar": path for key, path in outputs.items()}  # the user's words
         check_not_inputs(named, {"storage": storage_file(storage), "task file": existing_path(task),
@@ -936,6 +940,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
 
         st = make_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
                           name=OWN_JOURNAL if own_journal else "--storage")
+        if own_journal:  # one search at a time per --out (workers share a study through --storage instead)
+            held = hold_journal(storage, OWN_JOURNAL)
+            if held is not None:
+                cleanup.callback(held.close)
         label = describe_storage(storage)
         persistent = is_persistent(st)
         # what a worker must share with the study to join it (refused otherwise, naming the difference)

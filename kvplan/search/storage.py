@@ -43,7 +43,7 @@ DEFAULT_HEARTBEAT_S = 10  # seconds between two heartbeats of a held trial (RDB 
 DEFAULT_GRACE_S = 60  # a RUNNING trial without a heartbeat for this long is failed (and retried)
 
 __all__ = ["DEFAULT_GRACE_S", "DEFAULT_HEARTBEAT_S", "Heartbeat", "RetryStale", "StorageError", "describe_storage",
-           "fail_orphaned_trials", "make_storage", "redact"]
+           "fail_orphaned_trials", "hold_journal", "make_storage", "redact"]
 
 
 def redact(url: str) -> str:
@@ -125,6 +125,29 @@ def check_journal_file(path, name: str = "--storage") -> None:
                 "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
                 else "not a regular file")
         raise StorageError(f"{name} {path}: is {kind}, not a journal file")
+
+
+def hold_journal(path, name: str = "--storage"):
+    """An exclusive advisory lock (``flock``) on a search's own journal (the one beside ``--out``), held for the
+    search's lifetime: a second search writing the same ``--out`` at the same time is refused, where it used to
+    race the first to the plan files. Returns the open file holding the lock (close it to release; the kernel
+    releases it when the process ends, killed or not); ``None``, with a warning, where the file system has no
+    locks (some network mounts)."""
+    import fcntl
+
+    f = open(path, "rb")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise StorageError(f"{name} {path}: another kvplan search is running with this --out (it holds the "
+                           "journal); wait for it to end, or give another --out") from None
+    except OSError as e:
+        f.close()
+        warnings.warn(f"kvplan: {name} {path}: cannot lock the journal ({e.strerror or e}); a second search with "
+                      "this --out at the same time would not be refused")
+        return None
+    return f
 
 
 def make_storage(storage, *, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_S,

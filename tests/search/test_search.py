@@ -294,6 +294,27 @@ def test_a_finished_search_run_again_writes_its_missing_files_back_as_recorded(t
         assert out.read_bytes() == written["plan.yaml"]
 
 
+def test_a_second_search_on_the_same_out_at_once_is_refused(tmp_path):
+    """Two searches writing one --out at the same time both ran, and the later export replaced the other's
+    plan files without a word. The first holds its journal's lock while it runs; the second is refused."""
+    import fcntl
+
+    from kvplan.search.storage import StorageError
+
+    out = tmp_path / "plan.yaml"
+    kw = dict(budget=3.0, n_trials=3, out=out, keep_trials=True, **FAST)
+    search(scorer=SyntheticScorer(), **kw)
+    with open(tmp_path / "plan.journal", "rb") as running:  # what a search in progress holds
+        fcntl.flock(running, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        sc = SyntheticScorer()
+        with pytest.raises(StorageError, match="plan.journal: another kvplan search is running with this --out"):
+            search(scorer=sc, **{**kw, "budget": 2.8})
+        with pytest.raises(StorageError, match="another kvplan search is running"):  # before the model loads
+            search(model="no-such-model-is-loaded", **{**kw, "budget": 2.8})
+        assert sc.calls == 0 and Plan.from_yaml(out).target_bpv == 3.0
+    assert search(scorer=SyntheticScorer(), **{**kw, "budget": 2.8}).plan.target_bpv == 2.8  # released: runs
+
+
 def test_a_search_that_runs_out_of_new_plans_says_it_stopped_short_and_labels_repeats_as_duplicates():
     """A space with 7 plans within the budget, 30 trials asked: the search stopped at 7 without a word, and
     asked trials that repaired onto a measured plan were labelled "screened", as if the surrogate had
