@@ -154,21 +154,23 @@ def _search_on(plan: Plan | None, task: str) -> dict:
     return search if recorded.get("name") == os.fspath(task) else {}
 
 
-def _searched_elsewhere(plan: Plan | None, task: str) -> str | None:
-    """The task ``plan``'s search drew its splits from, when that is not ``task`` (another file, or the file
-    changed since): eval then draws its own splits, and says so."""
+def _searched_elsewhere(plan: Plan | None, search: dict) -> str | None:
+    """The task ``plan``'s search drew its splits from, when that is not the task ``search`` (its
+    :func:`_search_on`) is empty for (another file, or the file changed since): eval then draws its own
+    splits, and says so."""
     recorded = ((plan.metrics.get("search") if plan is not None else None) or {}).get("task")
-    if not isinstance(recorded, dict) or "name" not in recorded or _search_on(plan, task):
+    if not isinstance(recorded, dict) or "name" not in recorded or search:
         return None
     return str(recorded["name"])
 
 
 def eval_settings(plan: Plan | None, task: str, seed: int | None, history_tokens: int | None,
-                  eval_tokens: int | None) -> tuple[dict[str, int], list[str]]:
+                  eval_tokens: int | None, search: dict | None = None) -> tuple[dict[str, int], list[str]]:
     """``({"seed", "history_tokens", "eval_tokens"}, the names taken from the plan)``: each setting
     given, else the one ``plan``'s search drew its splits with (``metrics.search``: its seed, and the
-    built-in task's lengths) when it searched this ``task``, else 0 / 512 / 32."""
-    search = _search_on(plan, task)
+    built-in task's lengths) when it searched this ``task``, else 0 / 512 / 32. ``search``:
+    ``_search_on(plan, task)`` when the caller has it (it reads the whole task file)."""
+    search = _search_on(plan, task) if search is None else search
     plans = {**search["task"], "seed": search.get("seed")} if search else {}
     given = {"seed": seed, "history_tokens": history_tokens, "eval_tokens": eval_tokens}
     defaults = {"seed": 0, "history_tokens": DEFAULT_HISTORY_TOKENS, "eval_tokens": DEFAULT_EVAL_TOKENS}
@@ -184,14 +186,16 @@ def eval_settings(plan: Plan | None, task: str, seed: int | None, history_tokens
     return settings, from_plan
 
 
-def eval_sample_count(plan: Plan | None, task: str, split: str, samples: int | None) -> tuple[int | None, bool]:
+def eval_sample_count(plan: Plan | None, task: str, split: str, samples: int | None,
+                      search: dict | None = None) -> tuple[int | None, bool]:
     """``(samples, taken from the plan)``: ``samples`` given, else the count ``plan``'s search measured
     ``split`` on (``metrics.<split>.n_samples``, e.g. ``kvplan search --test-samples 2``) when it searched
-    this ``task``, else the default (:func:`resolve_sample_count`)."""
+    this ``task``, else the default (:func:`resolve_sample_count`). ``search``: as in :func:`eval_settings`."""
     if samples is not None:
         return samples, False
+    search = _search_on(plan, task) if search is None else search
     # not ALL_RECORDS: every record of the task, which no search measured
-    measured = plan.metrics.get(canonical_split(split)) if split != ALL_RECORDS and _search_on(plan, task) else None
+    measured = plan.metrics.get(canonical_split(split)) if split != ALL_RECORDS and search else None
     n = measured.get("n_samples") if isinstance(measured, dict) else None
     if isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 1 and float(n).is_integer():
         return int(n), True
@@ -218,16 +222,17 @@ def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_
               progress, verbose) -> dict:
     t0 = time.perf_counter()
     plan = _check_eval_arguments(plan_or_baseline, model, task, out)
-    settings, from_plan = eval_settings(plan, task, seed, history_tokens, eval_tokens)
+    search = _search_on(plan, task)  # once: a task file is named by the digest of all its bytes
+    settings, from_plan = eval_settings(plan, task, seed, history_tokens, eval_tokens, search=search)
     seed, history_tokens, eval_tokens = settings["seed"], settings["history_tokens"], settings["eval_tokens"]
-    samples, samples_from_plan = eval_sample_count(plan, task, split, samples)
+    samples, samples_from_plan = eval_sample_count(plan, task, split, samples, search=search)
     if samples_from_plan:
         settings["samples"] = samples
         from_plan.append("samples")
     if from_plan and verbose:
         print(f"kvplan eval: {', '.join(f'{n} {settings[n]}' for n in from_plan)} as the plan's search drew its "
               "splits (pass them to override)")
-    elsewhere = _searched_elsewhere(plan, task)
+    elsewhere = _searched_elsewhere(plan, search)
     if elsewhere is not None and verbose:
         print(f"kvplan eval: the plan was searched on task {elsewhere!r}, not on this one (another file, or its "
               f"content changed since): its {split} split is drawn here at seed {seed}, not as the search drew it")

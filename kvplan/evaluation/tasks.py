@@ -293,16 +293,14 @@ def task_file_digest(task: str | os.PathLike) -> str | None:
     """``sha256:<hex>`` of a JSONL task file's bytes (what a plan's search record names its task by, so that
     ``kvplan eval`` finds the same data under another path); ``None`` for the built-in task or an
     unreadable file."""
+    from ..models.loading import file_sha256
+
     if os.fspath(task) == "default":
         return None
-    digest = hashlib.sha256()
     try:
-        with open(task, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
+        return "sha256:" + file_sha256(task).hexdigest()
     except OSError:
         return None
-    return "sha256:" + digest.hexdigest()
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -311,8 +309,8 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
         if not os.path.exists(path):
             raise TaskError(f"{path}: task file not found")
-        kind = "a directory" if os.path.isdir(path) else "not a regular file (a pipe or a device?)"
-        raise TaskError(f"{path}: task must be a JSONL file, {'not ' if kind.startswith('a ') else ''}{kind}")
+        kind = "not a directory" if os.path.isdir(path) else "not a regular file (a pipe or a device?)"
+        raise TaskError(f"{path}: task must be a JSONL file, {kind}")
     size = os.path.getsize(path)
     if size > MAX_TASK_BYTES:
         raise TaskError(f"{path}: task file is {size} bytes; at most {MAX_TASK_BYTES} are read")
@@ -334,9 +332,10 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
             continue
         try:
             rec = json.loads(line)
-        except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, or an integer of > 4300 digits
-            why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply" if isinstance(
-                e, RecursionError) else str(e).split(";")[0]
+        except RecursionError:
+            raise _record_error(path, i, "not valid JSON (nested too deeply)") from None
+        except ValueError as e:  # JSONDecodeError, or an integer of more than 4300 digits
+            why = e.msg if isinstance(e, json.JSONDecodeError) else str(e).split(";")[0]
             raise _record_error(path, i, f"not valid JSON ({why})") from None
         _check_record(rec, path, i)
         rec = dict(rec)

@@ -83,13 +83,19 @@ def _assemble_whole(pkg, target: str) -> str:
 _CONVERTED_FORMAT = 1  # bump when what is saved changes
 
 
+def file_sha256(path):
+    """A ``hashlib.sha256`` fed with the bytes of the file at ``path``, read 4 MiB at a time (raises OSError)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h
+
+
 def _converted_key(gguf_path: str) -> str:
     import transformers
 
-    h = hashlib.sha256()
-    with open(gguf_path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
+    h = file_sha256(gguf_path)
     h.update(f"|transformers {transformers.__version__}|kvplan-converted {_CONVERTED_FORMAT}".encode())
     return h.hexdigest()[:24]
 

@@ -56,11 +56,8 @@ def _check_rope(plan: Plan, model, source: str | None) -> None:
         model_freqs = theirs[layer_type] if isinstance(theirs, dict) else theirs
         if len(model_freqs) != len(mine) or not all(
                 math.isclose(a, b, rel_tol=1e-5) for a, b in zip(model_freqs, mine)):
-            warned = model.__dict__.setdefault("_kvplan_rope_warned", set())  # once per model and frequencies,
-            key = (tuple(mine), tuple(model_freqs))  # not at every generate (each makes a cache)
-            if key in warned:
-                return
-            warned.add(key)
+            if not _first_time(model, "_kvplan_rope_warned", (tuple(mine), tuple(model_freqs))):
+                return  # once per model and frequencies, not at every generate (each makes a cache)
             if len(model_freqs) != len(mine):
                 how = f"{len(mine)} values, the model's {len(model_freqs)}"
             else:
@@ -74,6 +71,16 @@ def _check_rope(plan: Plan, model, source: str | None) -> None:
                           "quantized in a frame that does not undo this model's RoPE (less accurate than searched)",
                           UserWarning, stacklevel=3)
             return
+
+
+def _first_time(model, name: str, key) -> bool:
+    """Whether ``key`` is new to the set ``model.<name>`` (then added): a warning given once per model and
+    ``key``, not at every cache ``generate`` makes."""
+    seen = model.__dict__.setdefault(name, set())
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
 
 
 def _config(model_or_geometry):
@@ -292,9 +299,8 @@ def _check_storage_width(plan: Plan, model, source: str | None) -> None:
     if bits == stated:
         return
     mine, theirs = plan.bpv().total, plan.bpv(full_precision_bits=bits).total
-    warned = model.__dict__.setdefault("_kvplan_width_warned", set())
-    if not math.isclose(mine, theirs, rel_tol=1e-12) and (mine, stated, bits) not in warned:
-        warned.add((mine, stated, bits))
+    if not math.isclose(mine, theirs, rel_tol=1e-12) and _first_time(model, "_kvplan_width_warned",
+                                                                     (mine, stated, bits)):
         warnings.warn(f"{source or 'plan'}: states its bpv at {stated}-bit full-precision storage, but this model "
                       f"caches {bits}-bit values: its cache holds {theirs:.4f} bpv at {plan.reference.context_len} "
                       f"tokens, not the stated {mine:.4f} (the tokens it keeps at full precision)", stacklevel=3)
