@@ -1,5 +1,6 @@
 """A throwaway PostgreSQL server for tests: ``initdb`` + ``pg_ctl`` in a temporary folder,
-listening on a free loopback port, stopped and removed afterwards.
+listening on a free loopback port, stopped and removed afterwards — also when the test process is killed
+(``timeout``, kill -9), where no ``finally`` runs: a detached watchdog stops the server once that process is gone.
 
 PostgreSQL refuses to run as root, so under root (CI runs as root) the server runs as
 ``nobody`` via ``runuser``. Without the binaries the fixture skips, except in CI
@@ -9,7 +10,9 @@ PostgreSQL refuses to run as root, so under root (CI runs as root) the server ru
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -62,6 +65,15 @@ def _run(args: list[str], as_nobody: bool, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=120, **kw)
 
 
+def _stop_when_gone(pid: int, stop: list[str], root: str) -> subprocess.Popen:
+    """A detached shell that waits for process ``pid`` to end, then runs ``stop`` and removes ``root``: the
+    server would otherwise outlive a killed test run (its port, its processes and its folder)."""
+    script = (f"while kill -0 {pid} 2>/dev/null; do sleep 1; done; {shlex.join(stop)} >/dev/null 2>&1; "
+              f"rm -rf {shlex.quote(root)}")
+    return subprocess.Popen(["sh", "-c", script], start_new_session=True, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 @contextmanager
 def postgres_server(database: str = "kvplan"):
     """Start a server, create ``database``; yield its URL ``postgresql://kvplan@127.0.0.1:PORT/DB``."""
@@ -71,7 +83,11 @@ def postgres_server(database: str = "kvplan"):
         shutil.chown(root, user="nobody")
     os.chmod(root, 0o700)
     data = os.path.join(root, "data")
+    stop = [f"{PG_BIN}/pg_ctl", "-D", data, "-m", "immediate", "-w", "stop"]
+    if as_nobody:
+        stop = ["runuser", "-u", "nobody", "--", *stop]
     started = False
+    watchdog = None
     try:
         r = _run([f"{PG_BIN}/initdb", "-D", data, "-A", "trust", "-U", USER, "--no-sync"], as_nobody)
         assert r.returncode == 0, f"initdb failed: {r.stderr[-2000:]}"
@@ -87,12 +103,16 @@ def postgres_server(database: str = "kvplan"):
             time.sleep(0.2)
         log = open(os.path.join(root, "log")).read()[-2000:] if os.path.exists(os.path.join(root, "log")) else ""
         assert started, f"pg_ctl start failed: {r.stderr[-1000:]} {log}"
+        watchdog = _stop_when_gone(os.getpid(), stop, root)
         r = _run([f"{PG_BIN}/createdb", "-h", "127.0.0.1", "-p", str(port), "-U", USER, database], as_nobody)
         assert r.returncode == 0, f"createdb failed: {r.stderr[-2000:]}"
         yield f"postgresql://{USER}@127.0.0.1:{port}/{database}"
     finally:
+        if watchdog is not None:
+            os.killpg(watchdog.pid, signal.SIGKILL)  # its session: the shell and its sleep
+            watchdog.wait()
         if started:
-            _run([f"{PG_BIN}/pg_ctl", "-D", data, "-m", "immediate", "-w", "stop"], as_nobody)
+            subprocess.run(stop, capture_output=True, text=True, timeout=120)
         shutil.rmtree(root, ignore_errors=True)
 
 
