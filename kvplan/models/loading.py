@@ -4,6 +4,7 @@ Gemma-3-270M (a second real model, shipped on PyPI in chunk packages)."""
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import hashlib
 import importlib.util
@@ -288,6 +289,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
     kwargs = {}
     if dtype is not None:
         kwargs["dtype"] = dtype
+    hub_id = None
     if name == DEFAULT_MODEL:
         folder, gguf = default_model_path()
         source, kwargs["gguf_file"] = folder, gguf
@@ -305,7 +307,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
         if not os.path.isdir(source):  # e.g. <dir>/config.json: transformers then torch.load()s the JSON
             raise ModelLoadError(f"model path {name} is a file: give the model's directory (or a .gguf file)")
     else:  # a hub id, or a directory named like one
-        source = name
+        source = hub_id = name
     if "gguf_file" in kwargs and importlib.util.find_spec("gguf") is None:
         raise ModelLoadError("loading a GGUF file needs the 'gguf' package: pip install gguf accelerate")
     save_to = from_cache = None
@@ -323,7 +325,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
     except (OSError, ValueError, RuntimeError, SafetensorError, struct.error) as e:
         where = "" if from_cache is None else (f" (from its cached conversion {from_cache}: delete that folder to "
                                                "convert again)")
-        raise ModelLoadError(f"cannot load model {name!r}{where}: {_first_line(e)}") from e
+        hint = "" if hub_id is None else _hub_id_hint(hub_id)
+        raise ModelLoadError(f"cannot load model {name!r}{where}: {_first_line(e)}{hint}") from e
     if save_to is not None:
         _save_converted(model, proc, save_to)
     model.eval()
@@ -331,6 +334,16 @@ def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str | None = None)
     if device is not None:
         model.to(device)
     return model, proc
+
+
+def _hub_id_hint(name: str) -> str:
+    """What to say after a name that went to the hub and failed: a misspelt built-in name is the likely cause
+    offline (the hub's retries take ~30 s before that failure)."""
+    builtin = (DEFAULT_MODEL, GEMMA3_MODEL)
+    close = difflib.get_close_matches(name.lower(), builtin, n=1, cutoff=0.5)
+    if close:
+        return f" (did you mean {close[0]!r}, a kvplan built-in model?)"
+    return f" (kvplan's built-in models: {or_list(builtin)}; or a local directory or .gguf file)"
 
 
 def _first_line(e: BaseException) -> str:

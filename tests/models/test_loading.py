@@ -452,3 +452,37 @@ def test_a_model_folder_without_a_tokenizer_says_what_transformers_tried(tmp_pat
                                              r"\(2\) .*sentencepiece") as e:
         load_model(str(tmp_path / "m"))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name, hint", [("smollm", "did you mean 'smollm2-135m', a kvplan built-in model?"),
+                                        ("Gemma3-270", "did you mean 'gemma3-270m', a kvplan built-in model?"),
+                                        ("someorg/some-model", "kvplan's built-in models: smollm2-135m or "
+                                                               "gemma3-270m; or a local directory or .gguf file")])
+def test_a_name_the_hub_cannot_give_says_which_names_kvplan_knows(monkeypatch, name, hint):
+    """A misspelt built-in name (``smollm``) went to the hub: offline, after ~30 s of retries, the error said
+    only that huggingface.co could not be reached, with no word of the names kvplan loads itself."""
+    from kvplan.errors import ModelLoadError
+    from kvplan.models import loading
+
+    def offline(transformers, name, source, kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them "
+                      "in the cached files.")
+
+    monkeypatch.setattr(loading, "_load", offline)
+    with pytest.raises(ModelLoadError) as e:
+        loading.load_model(name)
+    assert str(e.value) == (f"cannot load model {name!r}: We couldn't connect to 'https://huggingface.co' to load "
+                            f"the files, and couldn't find them in the cached files. ({hint})")
+
+
+def test_a_local_path_that_fails_to_load_gets_no_hub_hint(tmp_path, monkeypatch):
+    from kvplan.errors import ModelLoadError
+    from kvplan.models import loading
+
+    def broken(transformers, name, source, kwargs):
+        raise OSError("no config.json")
+
+    monkeypatch.setattr(loading, "_load", broken)
+    with pytest.raises(ModelLoadError) as e:
+        loading.load_model(str(tmp_path))
+    assert str(e.value) == f"cannot load model {str(tmp_path)!r}: no config.json"
