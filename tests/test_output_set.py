@@ -143,3 +143,38 @@ def test_a_set_whose_file_cannot_be_replaced_is_not_written_at_all(tmp_path, mon
     write_file_set({p: f"new {name}" for name, p in paths.items()})
     assert sorted(os.listdir(tmp_path)) == sorted(paths)
     assert all(p.read_text() == f"new {name}" for name, p in paths.items())
+
+
+def test_a_symbolic_link_is_written_through_and_stays_a_link(tmp_path):
+    """``--out link.json`` replaced the link with a regular file and left its target stale (``os.replace`` on the
+    link's name); ``open(path, "w")``, which users expect of an output path, writes the target."""
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "r.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "real" / "new.json")
+    check_writable(link, "--out", is_dir=False)
+    write_file_set({link: "new", dangling: "made"})
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert target.read_text() == "new" and link.read_text() == "new"
+    assert dangling.is_symlink() and (tmp_path / "real" / "new.json").read_text() == "made"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.json", "link.json", "real"]
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["new.json", "r.json"]
+
+
+def test_a_fifo_named_as_an_output_is_written_into_not_replaced(tmp_path):
+    """A FIFO given as ``--out`` became a regular file and its reader hung; ``/dev/stdout`` given as ``--out``
+    (as root) replaced the system's link with a JSON file."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE, text=True)
+    check_writable(fifo, "--out", is_dir=False)
+    write_file_set({tmp_path / "plan.yaml": "a: 1\n", fifo: "streamed\n"})
+    out, _ = reader.communicate(timeout=30)
+    assert out == "streamed\n"
+    assert fifo.exists() and not fifo.is_file()  # still the FIFO
+    assert (tmp_path / "plan.yaml").read_text() == "a: 1\n"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(TMP_SUFFIX)]
+

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 import tempfile
 import time
 from typing import Mapping
@@ -68,7 +69,12 @@ def check_writable(path, what: str, is_dir: bool, error: type[KVPlanError] = KVP
         raise error(f"{what} {path}: ends with a path separator, so it names a folder: give a file name")
     if os.path.exists(path) and os.path.isdir(path) != is_dir:
         raise error(f"{what} {path}: exists and is {'not ' if is_dir else ''}a directory")
-    parent = path if is_dir and os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if not is_dir and _is_stream(path):  # a FIFO or device: written into, not replaced
+        if not os.access(path, os.W_OK):
+            raise error(f"{what} {path}: cannot write into it (permission denied)")
+        return
+    target = os.path.realpath(path) if os.path.islink(path) else path  # a link's target is what gets written
+    parent = path if is_dir and os.path.isdir(path) else os.path.dirname(os.path.abspath(target))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     try:  # the probe answers for permissions, a file in the way and folders that take no files alike
@@ -210,21 +216,39 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+def _is_stream(path: str) -> bool:
+    """Whether ``path`` exists (through links) as something other than a regular file or a folder: a FIFO, a
+    device such as ``/dev/stdout``, which is written into (a rename would put a regular file in its place)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def write_file_set(files: dict) -> None:
     """Write several files (``path -> text``, or bytes) as one set: every file to a temporary name in its own folder
     (leftovers of a killed earlier write removed first) and ``fsync``-ed, and only then each
     renamed into place. A failure before the renames leaves the old set untouched, and so does a
     rename that fails (a file the system will not replace): the files already renamed are put back
-    (each replaced file keeps a second name, a hard link, until the set is written). A kill during
+    (each replaced file keeps a second name, a hard link, until the set is written). A symbolic link is written
+    through (its target is replaced, the link stays); a FIFO or device (``/dev/stdout``) is written into, after
+    the regular files. A kill during
     the renames (microseconds) can mix sets, which is why the search writes one ``run_id`` into every
     file of a set and ``kvplan explain`` checks it."""
     tmps: list[tuple[str, str]] = []
     olds: dict[str, str | None] = {}  # path -> the replaced file's second name ("": none made; None: no file)
     renamed: list[str] = []
+    streams = {}  # a FIFO or device named as an output: written into, once the files are in place
     path = None
     try:
         for path, text in files.items():
             path = os.fspath(path)
+            if _is_stream(path):
+                streams[path] = text
+                continue
+            if os.path.islink(path):  # written through, as open() would: the link stays, its target is replaced
+                path = os.path.realpath(path)
             folder = os.path.dirname(os.path.abspath(path))
             os.makedirs(folder, exist_ok=True)
             clean_stale_temps(path)
@@ -243,6 +267,9 @@ def write_file_set(files: dict) -> None:
             renamed.append(path)
         for folder in {os.path.dirname(os.path.abspath(p)) for _, p in tmps}:
             _fsync_dir(folder)
+        for path, text in streams.items():
+            with open(path, "wb") as f:
+                f.write(text if isinstance(text, bytes) else text.encode("utf-8"))
     except BaseException as e:
         for done in reversed(renamed):  # put the old set back
             try:
