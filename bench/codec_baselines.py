@@ -84,7 +84,7 @@ def baseline_plans(searched: Plan, profile: dict, budget: float) -> list[tuple[s
         for layer, head in order:
             trial = keys.copy()
             trial[layer, head] = high
-            if plan_of(trial, "").bpv().total > budget + 1e-9:
+            if plan_of(trial, f"headguard-k{high}-trial").bpv().total > budget + 1e-9:
                 break
             keys, n = trial, n + 1
         rows.append((f"HeadGuard-style: {n} key heads at {high} bits, rest K2{'+corr' if corr else ''}V2",
@@ -131,6 +131,8 @@ def main() -> None:
                     "name, .gguf file or directory; default: the embedded default model)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "codec_baselines.md"))
+    ap.add_argument("--samples", type=int, default=16, help="validation and test samples each (default 16, the "
+                    "recorded tables'; fewer for a quick check)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "1")))
     t0 = time.time()
@@ -138,7 +140,8 @@ def main() -> None:
     sidecar = os.path.splitext(args.plan)[0] + ".search.json"
     profile = json.load(open(sidecar))["profile"]
     budget = searched.target_bpv or searched.bpv().total
-    scorers = task_scorers(args.model, n_calibration=1, n_validation=16, n_test=16, progress=False)
+    scorers = task_scorers(args.model, n_calibration=1, n_validation=args.samples, n_test=args.samples,
+                           progress=False)
     rows = [("searched (kvplan search)", searched)] + baseline_plans(searched, profile, budget)
     lines = [f"# Searched plan vs codec-only baselines at {budget:g} bpv (best baseline chosen on validation)", "",
              f"Command: {stamp()} (method in the script's docstring).", "",
