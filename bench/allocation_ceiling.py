@@ -132,6 +132,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", help="the model the plan was searched on")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "allocation_ceiling.md"))
+    ap.add_argument("--samples", type=int, default=16, help="validation and test samples each (default 16, the "
+                    "recorded table's; fewer for a quick check)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "1")))
     t0 = time.time()
@@ -177,7 +179,8 @@ def main() -> None:
         one_bit = {name: one_bit_optimum(terms.group_cost, damage, bit_cost, k, slack)
                    for name, k in ONE_BIT_DAMAGE.items()}
 
-    scorers = task_scorers(args.model, n_calibration=1, n_validation=16, n_test=16, progress=False)
+    scorers = task_scorers(args.model, n_calibration=1, n_validation=args.samples, n_test=args.samples,
+                           progress=False)
     lines = [f"# Bit allocation's ceiling at {budget:g} bpv: the search's damage model", "",
              f"Command: {stamp()} (method "
              f"in the script's docstring; {n_values} values at the plan's reference).", "",
