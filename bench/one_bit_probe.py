@@ -22,6 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from _stamp import stamp  # noqa: E402
@@ -29,7 +30,7 @@ import kvplan.kernels.qtypes as qtypes  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.kernels.formats import default_codebook  # noqa: E402
 from kvplan.kernels.qtypes import FULL_PRECISION_BITS, QType  # noqa: E402
-from kvplan.plans import atomic_write_text  # noqa: E402
+from kvplan.plans import STREAMED, atomic_write_text  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
 
 
@@ -44,6 +45,8 @@ def register_one_bit() -> None:
     bits = (1, *qtypes.SUPPORTED_BITS)
     for mod in (qtypes, kernels, fields, parse, plan_mod):
         mod.SUPPORTED_BITS = bits
+    for mod in (fields, parse, plan_mod):  # what a plan's bits may say: the above and 0 (a streamed KV head)
+        mod.PLAN_BITS = (STREAMED, *bits)
     assert qtypes.SUPPORTED_BITS[-1] == FULL_PRECISION_BITS
 
 
@@ -52,6 +55,8 @@ def main() -> None:
     ap.add_argument("plan")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "one_bit_probe.md"))
+    ap.add_argument("--samples", type=int, default=16, help="validation samples (default 16, the recorded table's; "
+                    "fewer for a quick check)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "1")))
     t0 = time.time()
@@ -61,7 +66,7 @@ def main() -> None:
     # fitted to the values' group length, as SearchSpace.codebooks_for fits the plan's (token axis)
     levels = default_codebook(1, q.value_scaling, min(q.group_size, plan.geometry.head_dim))
     plan = plan.replace(quantizer=dataclasses.replace(q, codebooks=tuple(q.codebooks) + (("v", 1, tuple(levels)),)))
-    val = task_scorers(n_calibration=1, n_validation=16, n_test=0, progress=False, attention="chunked").validation
+    val = task_scorers(n_calibration=1, n_validation=args.samples, n_test=0, progress=False, attention="chunked").validation
     lines = ["# A 1-bit value format? Validation KL with every value slot at 16 / 2 / 1 bits", "",
              f"Command: {stamp()} (method in the script's "
              f"docstring; 1-bit levels {[round(x, 4) for x in levels]} x the group's absmax, {q.value_scaling}).", "",
@@ -73,7 +78,7 @@ def main() -> None:
     for label, bits, feedback in rows:
         t = table.copy()
         if bits is not None:
-            t[:, :, 1] = bits
+            t[:, :, 1] = np.where(t[:, :, 1] == STREAMED, STREAMED, bits)  # a streamed head stays streamed
         p = plan.with_table(t) if feedback else plan.replace(feedback_metric=None).with_table(t)
         m = val(p)
         kl[label] = m["kl"]
