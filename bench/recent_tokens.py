@@ -28,12 +28,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from _stamp import stamp  # noqa: E402
 from bench.allocation_ceiling import plan_space  # noqa: E402
 from kvplan import Plan  # noqa: E402
-from kvplan.plans import atomic_write_text  # noqa: E402
+from kvplan.plans import STREAMED, atomic_write_text  # noqa: E402
 from kvplan.search import BpvModel  # noqa: E402
 from kvplan.search.budget import group_damage, repair  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
@@ -48,7 +49,9 @@ def paid_plan(plan: Plan, profile: dict, recent: int) -> tuple[Plan | None, int]
     from the search's ``profile``) until it fits its budget again; returns the plan and the number of
     slots lowered; ``(None, 0)`` when the copies alone do not fit the budget with the plan's other
     settings (its sink tokens at full precision, all slots at the lowest level)."""
-    space = plan_space(plan, residual_bits=8, recent_lengths=(0, recent))
+    streamed = plan.streamed_heads()  # stay streamed: their slots have that one level
+    extra = dict(streamed_heads=streamed, stream_window=plan.quantizer.stream_window) if streamed else {}
+    space = plan_space(plan, residual_bits=8, recent_lengths=(0, recent), **extra)
     model = BpvModel(space, plan.reference)
     damage = group_damage(space, slot_sensitivity(space, profile), correction_factor(profile))
     levels = space.levels_of_table(plan.code_table())
@@ -64,13 +67,15 @@ def main() -> None:
     ap.add_argument("plan")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "recent_tokens.md"))
+    ap.add_argument("--samples", type=int, default=16, help="validation samples (default 16, the recorded table's; "
+                    "fewer for a quick check)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "1")))
     t0 = time.time()
     plan = Plan.from_yaml(args.plan)
     with open(args.plan[: -len(".yaml")] + ".search.json") as f:
         profile = json.load(f)["profile"]
-    val = task_scorers(n_calibration=1, n_validation=16, n_test=0, progress=False).validation
+    val = task_scorers(n_calibration=1, n_validation=args.samples, n_test=0, progress=False).validation
     lines = ["# Recent copies on a fixed plan: validation KL", "",
              f"Command: {stamp()} (method in the script's docstring).", "",
              "| recent_length | copies held as | honest bpv at 512 | residual bpv | validation KL [95% CI] |",
@@ -89,7 +94,7 @@ def main() -> None:
     table = plan.code_table()
     for kind, name in ((0, "keys"), (1, "values")):
         t = table.copy()
-        t[:, :, kind] = 16
+        t[:, :, kind] = np.where(t[:, :, kind] == STREAMED, STREAMED, 16)  # a streamed head stays streamed
         row(f"{plan.quantizer.recent_length} (the plan's), every {name[:-1]} slot at full precision (probe)", "-",
             plan.with_table(t))
     lines += ["", f"Copies paid with slot bits (8-bit copies, within the plan's {plan.target_bpv:g} bpv):", "",
