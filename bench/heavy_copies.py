@@ -1,11 +1,12 @@
 """Heavy-hitter copies (``quantizer.heavy_length``) on the recorded plan and the best codec-only baseline,
 paid with slot bits: the built feature, bytes counted, on the deployed route.
 
-    python bench/heavy_copies.py bench/results/search-2.5bpv.yaml
-        # -> bench/results/heavy_copies.md (~10 min)
+    python bench/heavy_copies.py bench/results/no-stream/plan.yaml
+        # -> bench/results/heavy_copies.md (~10 min; recorded as bench/results/search-2.5bpv.yaml at c0b9dd1,
+        #    the same file as no-stream/plan.yaml: the default plan before the search streamed heads)
     python bench/heavy_copies.py bench/results/gemma3/plan.yaml --model gemma3-270m \
         --out bench/results/gemma3/heavy_copies.md                        # the second real model
-    python bench/heavy_copies.py bench/results/search-2.5bpv.yaml --write-plan 2 /tmp/heavy2.yaml
+    python bench/heavy_copies.py bench/results/no-stream/plan.yaml --write-plan 2 /tmp/heavy2.yaml
         # only write the plan with 2 copies per KV head, slots lowered to pay for them (no scoring)
 
 For each number of copies ``n`` per KV head, the searched plan's slots are lowered by the search's own
@@ -17,6 +18,9 @@ chosen copies (the baselines rebuilt at the budget the copies leave). Every plan
 scorers: ``kvplan.make_cache`` writes the history and the copies are those kvplan's attention
 function keeps at a deployed prompt (the prefill's last 32 queries; ``tests/runtime/test_heavy_copies.py``
 checks that both keep the same).
+
+A plan that streams KV heads (e.g. today's recorded ``bench/results/search-2.5bpv.yaml``) is refused: kvplan
+refuses heavy-hitter copies beside streamed heads, so the copies cannot be added to it.
 """
 
 from __future__ import annotations
@@ -66,7 +70,12 @@ def main() -> None:
                                                   "heavy_copies.md"))
     ap.add_argument("--write-plan", nargs=2, metavar=("N", "OUT"),
                     help="write the plan with N copies per KV head (slots lowered to pay) to OUT and stop")
+    ap.add_argument("--samples", type=int, default=16, help="validation and test samples each (default 16, the "
+                    "recorded table's; fewer for a quick check)")
     args = ap.parse_args()
+    if Plan.from_yaml(args.plan).streamed_heads():
+        sys.exit(f"{args.plan} streams KV heads, which heavy-hitter copies cannot go with; the recorded table was "
+                 "measured on a plan that streams none: bench/results/no-stream/plan.yaml")
     if args.write_plan:
         n, out = int(args.write_plan[0]), args.write_plan[1]
         lowered, _, _ = paid(Plan.from_yaml(args.plan), search_profile(args.plan), n)
@@ -77,7 +86,8 @@ def main() -> None:
     t0 = time.time()
     searched = Plan.from_yaml(args.plan)
     profile = search_profile(args.plan)
-    scorers = task_scorers(args.model, n_calibration=1, n_validation=16, n_test=16, progress=False)
+    scorers = task_scorers(args.model, n_calibration=1, n_validation=args.samples, n_test=args.samples,
+                           progress=False)
     lines = ["# Heavy-hitter copies paid with slot bits: the searched plan and the best codec-only baseline", "",
              f"Command: {stamp()} (method in the script's "
              "docstring).", "", "Choosing the number of copies per KV head (validation split):", "",
