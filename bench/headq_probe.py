@@ -13,13 +13,15 @@ How: the runtime's ``PackedBlock.encode`` / ``decode_into`` / ``append`` are wra
 that channel-axis (key) blocks carry the correction ``U ẑ`` (``ẑ = U^T (k - k̂)``, kept in
 fp32 or rounded to ``z_bits`` symmetric with one fp16 scale per token and head), then the
 held-out scorer of ``kvplan search`` (16 samples, 512-token history) scores uniform
-KIVI-style int2 (group 128, residual 0). The side code's storage is not in the cache's
+KIVI-style int2 (group 128, residual 0) on the dequantize route (the one that reads blocks
+through ``decode_into``). The side code's storage is not in the cache's
 bytes; its cost is computed and listed separately (per key value ``(r·z_bits + 16) / 64``
 bits; half that per cached value).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -32,7 +34,7 @@ from _stamp import stamp  # noqa: E402
 from kvplan.plans import atomic_write_text, uniform_plan  # noqa: E402
 from kvplan.runtime import cache as cache_mod  # noqa: E402
 from kvplan.runtime.storage import PackedBlock  # noqa: E402
-from kvplan.search.scorers import harness_scorers  # noqa: E402
+from kvplan.search.scorers import task_scorers  # noqa: E402
 
 # settings of the wrapped storage: basis [L, H_kv, D, r] or None (off), z bits (0 = fp32)
 _PROBE = {"basis": None, "z_bits": 0, "layer": None}
@@ -70,46 +72,74 @@ def query_second_moments(model, prepared, n_kv: int) -> torch.Tensor:
 
 def _install_wrappers() -> None:
     encode, decode_into, append = PackedBlock.encode.__func__, PackedBlock.decode_into, PackedBlock.append
+    head_range, token_range = PackedBlock.head_range, PackedBlock.token_range
     commit = cache_mod.KVPlanLayer._commit
 
-    def commit_w(self):
+    def commit_w(self, *args, **kwargs):
         _PROBE["layer"] = self.layer_idx
-        return commit(self)
+        return commit(self, *args, **kwargs)
 
-    def encode_w(cls, x, heads, bits, axis, group_size, start):
-        block = encode(cls, x, heads, bits, axis, group_size, start)
+    def encode_w(cls, x, heads, bits, axis, group_size, start, *args, **kwargs):
+        block = encode(cls, x, heads, bits, axis, group_size, start, *args, **kwargs)
         U = _PROBE["basis"]
-        if U is not None and axis == "channel" and bits < 16:  # keys (values are per token here)
+        if U is not None and axis == "channel" and 0 < bits < 16:  # keys (values are per token here)
             Uh = U[_PROBE["layer"], list(heads)]  # [h, D, r]
             z = torch.einsum("bhtd,hdr->bhtr", x.float() - block.decode(torch.float32), Uh)
             if _PROBE["z_bits"]:
                 qmax = 2 ** (_PROBE["z_bits"] - 1) - 1
                 s = (z.abs().amax(-1, keepdim=True).clamp_min(1e-8) / qmax).half().float()  # per token & head
                 z = torch.round(z / s).clamp(-qmax - 1, qmax) * s
-            block.correction = torch.einsum("bhtr,hdr->bhtd", z, Uh)  # [B, h, T, D]
+            # [B, h, T, D]; not `correction`, the block's field for kvplan's own key correction code
+            block._headq = torch.einsum("bhtr,hdr->bhtd", z, Uh)
         return block
 
     def decode_into_w(self, out):
         decode_into(self, out)
-        corr = getattr(self, "correction", None)
+        corr = getattr(self, "_headq", None)
         if corr is not None:
-            out += corr
+            out += corr.to(out.dtype)
         return out
 
     def append_w(self, other):
         append(self, other)
-        if getattr(self, "correction", None) is not None:
-            self.correction = torch.cat([self.correction, other.correction], dim=2)
+        if getattr(self, "_headq", None) is not None:
+            self._headq = torch.cat([self._headq, other._headq], dim=2)
+
+    def head_range_w(self, i0, i1):  # dataclasses.replace does not carry the probe's attribute
+        part = head_range(self, i0, i1)
+        if getattr(self, "_headq", None) is not None:
+            part._headq = self._headq[:, i0:i1]
+        return part
+
+    def token_range_w(self, a, b):
+        part = token_range(self, a, b)
+        if part is not self and getattr(self, "_headq", None) is not None:
+            part._headq = self._headq[:, :, a:b]
+        return part
 
     cache_mod.KVPlanLayer._commit = commit_w
     PackedBlock.encode = classmethod(encode_w)
     PackedBlock.decode_into = decode_into_w
     PackedBlock.append = append_w
+    PackedBlock.head_range = head_range_w
+    PackedBlock.token_range = token_range_w
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calibration-samples", type=int, default=12, help="samples the query basis is learned from "
+                    "(default 12, the recorded table's)")
+    ap.add_argument("--samples", type=int, default=16, help="held-out samples (default 16, the recorded table's; "
+                    "fewer for a quick check)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "headq_probe.md"))
+    args = ap.parse_args()
     t0 = time.time()
-    cal, held = harness_scorers(n_calibration=12, n_heldout=16, progress=False)
+    # the dequantize route: the side code is added where blocks are decoded (PackedBlock.decode_into); the
+    # chunked and native kernels read the codes themselves and would never see it
+    scorers = task_scorers(n_calibration=args.calibration_samples, n_validation=0, n_test=args.samples,
+                           progress=False, attention="dequantize")
+    cal, held = scorers.calibration, scorers.test
     g = held.geometry
     moments = query_second_moments(cal.model, cal.prepared, g.num_kv_heads)
     evals, evecs = torch.linalg.eigh(moments)  # ascending
@@ -147,8 +177,7 @@ def main() -> None:
         print(split[-1], flush=True)
     lines += ["", f"Uniform int2 alone is {bpv:.4f} bpv. Without side code, one kind at 2 bits and the other "
               f"at full precision (held-out KL): {'; '.join(split)}. Wall time {time.time() - t0:.0f} s."]
-    atomic_write_text(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "headq_probe.md"),
-                      "\n".join(lines) + "\n")
+    atomic_write_text(args.out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
