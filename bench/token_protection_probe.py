@@ -22,6 +22,7 @@ statistics (``bench/results/recent_tokens.md`` measures the built feature, bytes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -34,7 +35,7 @@ import torch  # noqa: E402
 from _stamp import stamp  # noqa: E402
 from kvplan import Plan  # noqa: E402
 from kvplan.plans import atomic_write_text  # noqa: E402
-from kvplan.runtime import storage  # noqa: E402
+from kvplan.runtime import cache as cache_mod, storage  # noqa: E402
 from kvplan.search.scorers import task_scorers  # noqa: E402
 
 # (kinds protected, share of each block's tokens, selection)
@@ -45,6 +46,8 @@ MODE = {"kinds": "", "share": 0.0, "select": ""}
 _encode = storage.PackedBlock.encode.__func__
 _decode_base = storage.PackedBlock._decode_base
 _head_range = storage.PackedBlock.head_range
+_coding = cache_mod.KVPlanLayer._coding
+SLOT_CODING = {"depth": 0}  # > 0 inside KVPlanLayer._coding: a committed block of the plan's slots
 
 
 def _chosen(x: torch.Tensor, stored: torch.Tensor) -> torch.Tensor | None:
@@ -67,26 +70,40 @@ def _chosen(x: torch.Tensor, stored: torch.Tensor) -> torch.Tensor | None:
 
 
 def _probe_encode(cls, x, heads, bits, axis, group_size, start, basis=None, correction_bits=4, rotation=None,
-                  range_flag=None, fmt=None):
+                  range_flag=None, fmt=None, feedback=None, grid_origin=0, **more):
     kind = "k" if axis == "channel" and x.shape[-1] > 8 else "v"  # (a key correction code has r <= 8 channels)
-    if bits == 16 or kind not in MODE["kinds"] or x.shape[-2] < 16:
-        return _encode(cls, x, heads, bits, axis, group_size, start, basis, correction_bits, rotation, range_flag, fmt)
     keys_seen = x if rotation is None else rotation.forward(x.float(), start)
-    mask = _chosen(x, keys_seen)
+    mask = None
+    if SLOT_CODING["depth"] and 0 < bits < 16 and kind in MODE["kinds"] and x.shape[-2] >= 16:
+        mask = _chosen(x, keys_seen)  # (bits 0: a streamed head, nothing coded)
+    if mask is None:  # as kvplan codes it; so are the residual stores' blocks (recent / streamed-head copies)
+        return _encode(cls, x, heads, bits, axis, group_size, start, basis, correction_bits, rotation, range_flag, fmt,
+                       feedback, grid_origin=grid_origin, **more)
     coded = x
     if axis == "channel":  # out of its channel groups: the mean of the others stands in
         keep = (~mask).unsqueeze(-1).to(x.dtype)
         mean = (x * keep).sum(2, keepdim=True) / keep.sum(2, keepdim=True)
         coded = torch.where(mask.unsqueeze(-1), mean.expand_as(x), x)
     block = _encode(cls, coded, heads, bits, axis, group_size, start, None, correction_bits, rotation, range_flag,
-                    fmt)
+                    fmt, feedback, grid_origin=grid_origin, **more)
     block._exact = (mask, x.clone())
     if basis is not None:  # the key correction codes what is left after the exact tokens
         err = x.float() - block._decode_base(torch.float32)
         block.correction = _encode(cls, torch.matmul(err, basis), heads, correction_bits, "channel", group_size,
-                                   start, None, 4, None, range_flag, None)
+                                   start, None, 4, None, range_flag, None, grid_origin=grid_origin)
         block.basis = basis
     return block
+
+
+@contextlib.contextmanager
+def _probe_coding(self, *args, **kwargs):
+    """The cache's slot (and sink) coding: the only blocks whose tokens this probe keeps exact."""
+    SLOT_CODING["depth"] += 1
+    try:
+        with _coding(self, *args, **kwargs):
+            yield
+    finally:
+        SLOT_CODING["depth"] -= 1
 
 
 def _probe_decode_base(self, dtype):
@@ -108,15 +125,18 @@ def main() -> None:
     ap.add_argument("plan")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "token_protection_probe.md"))
+    ap.add_argument("--samples", type=int, default=16, help="validation samples (default 16, the recorded table's; "
+                    "fewer for a quick check)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "1")))
     storage.PackedBlock.encode = classmethod(_probe_encode)
     storage.PackedBlock._decode_base = _probe_decode_base
     storage.PackedBlock.head_range = _probe_head_range
+    cache_mod.KVPlanLayer._coding = _probe_coding
     t0 = time.time()
     plan = Plan.from_yaml(args.plan)
     plan = plan.replace(quantizer=dataclasses.replace(plan.quantizer, recent_length=0))  # its slots alone
-    val = task_scorers(n_calibration=1, n_validation=16, n_test=0, progress=False, attention="dequantize").validation
+    val = task_scorers(n_calibration=1, n_validation=args.samples, n_test=0, progress=False, attention="dequantize").validation
     lines = ["# Token protection probe: validation KL of a fixed plan with some tokens exact", "",
              f"Command: {stamp()} (method in the script's docstring; the exact tokens' bytes are not counted).", "",
              "| kinds kept exact | share of each block | selection | validation KL [95% CI] |", "|---|---:|---|---|"]
