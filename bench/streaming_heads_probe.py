@@ -1,7 +1,8 @@
 """Streaming KV heads (DuoAttention-style): a per-head lever the codec-only baselines do not have?
 
-    python bench/streaming_heads_probe.py bench/results/search-2.5bpv.yaml
-        # -> bench/results/streaming_heads_probe.md
+    python bench/streaming_heads_probe.py bench/results/no-stream/plan.yaml --window 16 \
+        --out bench/results/streaming_heads/w16.md     # (and 32, 64; recorded as bench/results/search-2.5bpv.yaml
+                                                       # at fffc82e, the same plan as no-stream/plan.yaml)
 
 Issue 14's 0.5x target needs a lever that allocation can use and a uniform or rank-based codec
 baseline cannot use as well. At 2.5 bpv almost every slot sits at its cheapest level (2 bits), so
@@ -29,6 +30,10 @@ Steps (data hygiene: calibration chooses, validation reports; no test split is r
    model's optima with and without streaming, the rank-based streaming baseline; each plan's
    streamed heads are masked and their slots read at 8 bits (the window's codes), and its honest
    bpv counts the streamed heads as the window copies only.
+
+The searched plan must stream no KV heads (this probe streams heads with its own mask and models the plan's
+slots without streaming): a plan that does (e.g. today's recorded ``bench/results/search-2.5bpv.yaml``, the
+search's own streaming) is refused.
 """
 
 from __future__ import annotations
@@ -193,14 +198,21 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=32, help="history tokens a streamed head keeps (with the sink)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "streaming_heads_probe.md"))
+    ap.add_argument("--calibration-samples", type=int, default=12, help="samples of the streaming profile "
+                    "(default 12, the recorded tables')")
+    ap.add_argument("--samples", type=int, default=16, help="validation samples (default 16, the recorded tables'; "
+                    "fewer for a quick check)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "2")))
     t0 = time.time()
     searched = Plan.from_yaml(args.plan)
+    if searched.streamed_heads():  # before the profile: its slot space (plan_space) has no streamed heads
+        sys.exit(f"{args.plan} streams KV heads (kvplan's own streaming); this probe streams heads itself and "
+                 "needs a plan that streams none, as the recorded tables' did: bench/results/no-stream/plan.yaml")
     profile = search_profile(args.plan)
     q = searched.quantizer
     budget = searched.target_bpv or searched.bpv().total
-    scorers = task_scorers(n_calibration=12, n_validation=16, n_test=0, progress=False, attention="dequantize",
+    scorers = task_scorers(n_calibration=args.calibration_samples, n_validation=args.samples, n_test=0, progress=False, attention="dequantize",
                            processes=1)
     cal, val = scorers.calibration, scorers.validation
     model = cal.model
