@@ -215,6 +215,8 @@ def main() -> None:
                                                   "attention_protection_probe.md"))
     ap.add_argument("--samples", type=int, default=16, help="validation samples (default 16, the recorded table's; "
                     "fewer for a quick check)")
+    ap.add_argument("--rows", type=int, default=None, help="score only the first N rows of the first two tables "
+                    "(default: every row; fewer for a quick check)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("KVPLAN_THREADS", "2")))
     t0 = time.time()
@@ -243,7 +245,7 @@ def main() -> None:
              "|---|---:|---|---:|---|"]
     samples = list(MASS.values())
     T = samples[0]["oracle"].shape[-1]
-    for kinds, share, select in [("-", 0.0, "-")] + ROWS:
+    for kinds, share, select in ([("-", 0.0, "-")] + ROWS)[:args.rows]:
         MODE.update(kinds=kinds, share=share, select=select)
         m = val(plan)
         n = int(round(share * T))
@@ -258,7 +260,7 @@ def main() -> None:
               "| plan | copies (kv, window) | allocation | slot bpv + copies | validation KL [95% CI] |",
               "|---|---:|---|---:|---|"]
     MODE["group"] = plan.quantizer.group_size
-    for label, row_plan, n, alloc in paid_rows(plan, args.plan):
+    for label, row_plan, n, alloc in paid_rows(plan, args.plan, PAID[:1] if args.rows else PAID)[:args.rows]:
         MODE.update(kinds="kv" if n else "-", share=n / T, select="window", alloc=alloc)
         m = val(row_plan)
         cost = row_plan.bpv().residual * n / row_plan.quantizer.recent_length if n else 0.0
