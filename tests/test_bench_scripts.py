@@ -2,8 +2,11 @@
 
 import os
 import pathlib
+import runpy
 import subprocess
 import sys
+
+import pytest
 
 from tests.runtime.routes import needs_triton
 
@@ -46,3 +49,47 @@ def test_the_feedback_cost_benchmark_writes_the_recorded_plan(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| 128 |" in out.read_text()
+
+
+NO_STREAM = ROOT / "bench" / "results" / "no-stream" / "plan.yaml"  # the plan heavy_copies.md etc. were measured on
+# (script, plan, the script's smallest settings, a line its stdout must hold): each failed at e81d45f on an empty
+# plan name (codec_baselines and the scripts that import its baselines), a streamed slot's bits 0
+# overwritten (one_bit_probe, recent_tokens), heavy-hitter copies beside streamed heads (heavy_copies), or a
+# PackedBlock.encode wrapper without grid_origin (headq_probe, token_protection_probe)
+SMOKE = [
+    ("codec_baselines.py", RECORDED, ["--samples", "1"], "| HeadGuard-style: "),
+    ("allocation_ceiling.py", RECORDED, ["--samples", "1"], "the damage model's optimum"),
+    ("one_bit_probe.py", RECORDED, ["--samples", "1"], "| all 1 bit |"),
+    ("recent_tokens.py", RECORDED, ["--samples", "1"], "| 16 | 8-bit per-token codes |"),
+    ("heavy_copies.py", NO_STREAM, ["--samples", "1"], "| searched (the recorded plan) |"),
+    ("headq_probe.py", None, ["--calibration-samples", "1", "--samples", "1"], "| 4 | int4 |"),
+    ("token_protection_probe.py", RECORDED, ["--samples", "1"], "| kv | 0.03 | newest |"),
+    ("attention_protection_probe.py", NO_STREAM, ["--samples", "1", "--rows", "3"], "| searched, repaired to "),
+]
+
+
+@pytest.mark.parametrize("script, plan, settings, line", SMOKE, ids=[s[0] for s in SMOKE])
+def test_the_benchmark_script_runs_at_its_smallest_settings(tmp_path, script, plan, settings, line):
+    out = tmp_path / "out.md"
+    cmd = [sys.executable, str(ROOT / "bench" / script), *([str(plan)] if plan else []), *settings, "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVPLAN_THREADS": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert line in r.stdout, r.stdout[-3000:]
+    assert "Wall time" in out.read_text()
+    if script == "headq_probe.py":  # the side code reaches the scored attention (the dequantize route reads it)
+        kl = {row.split("|")[1].strip(): float(row.split("|")[4].split()[0]) for row in r.stdout.splitlines()
+              if row.startswith("| 0 | — |") or row.startswith("| 4 | fp32 |")}
+        assert kl["4"] < kl["0"], kl
+
+
+@pytest.mark.parametrize("script", ["heavy_copies.py", "attention_protection_probe.py", "streaming_heads_probe.py"])
+def test_a_script_measured_on_a_plan_without_streamed_heads_refuses_the_recorded_plan_at_once(script, monkeypatch):
+    """These scripts model a plan without streamed heads (heavy-hitter copies cannot go beside them); given the
+    recorded plan, which streams 16, they failed deep in the run (streaming_heads_probe after ~450 s).
+    In this process: a subprocess would spend most of its time importing torch."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.setattr(sys, "argv", [script, str(RECORDED), "--out", os.devnull])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(ROOT / "bench" / script), run_name="__main__")
+    assert "bench/results/no-stream/plan.yaml" in str(e.value.code), e.value.code
