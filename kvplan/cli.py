@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog="kvplan", description="Find, explain and deploy mixed-precision KV-cache plans.")
     p.add_argument("--version", action="version", version=f"kvplan {__version__}")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; use 1 on a busy machine)")
+    p.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice; use 1 on a busy machine)")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("search", help="search a plan under an honest bits-per-value budget")
@@ -266,10 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--test-samples", "--heldout-samples", dest="test_samples", type=_non_negative, default=None,
                    help="test samples for the reported measurement, never used to choose (default: 16 / every "
                         "test record; 0 = none)")
-    s.add_argument("--history-tokens", type=_positive, default=512,
-                   help="history length of each sample of the built-in task")
-    s.add_argument("--eval-tokens", type=_positive, default=32,
-                   help="evaluated tokens after each history (built-in task)")
+    s.add_argument("--history-tokens", type=_positive, default=None,
+                   help="history length of each sample of the built-in task (default 512; a JSONL task's records "
+                        "hold their own)")
+    s.add_argument("--eval-tokens", type=_positive, default=None,
+                   help="evaluated tokens after each history of the built-in task (default 32)")
     s.add_argument("--processes", type=_positive, default=None, metavar="N",
                    help="CPU processes scoring each candidate's samples together (default: the usable cores; 1 with "
                         "--worker or on CUDA); any N gives the same numbers")
@@ -399,8 +400,6 @@ def main(argv=None) -> int:
     previous_sigterm = _raise_on_sigterm()
     try:
         if args.threads is not None:
-            if args.threads < 1:
-                raise KVPlanError(f"--threads: must be a positive integer (got {args.threads})")
             import torch
 
             torch.set_num_threads(args.threads)

@@ -509,6 +509,68 @@ def test_generate_checks_its_plan_before_the_model_loads(monkeypatch, tmp_path, 
     assert err.startswith(f"kvplan: error: {plan}: ") and "plan file" in err and len(err.strip().splitlines()) == 1
 
 
+BUILT_IN = "not a built-in plan: fp16, int8, int4, int2, k4v2 (optionally with -g32/-g64/-g128)"
+
+
+def test_plan_names_and_task_lengths_are_checked_before_the_model_loads(monkeypatch, tmp_path, capsys):
+    """A baseline with a group size plans do not take (``int4-g7``) failed after the model load and the
+    prefills, without its name; ``4``, ``-`` or ``int3`` read as YAML gave '<root>: must be a mapping (got 4)';
+    ``--history-tokens`` / ``--eval-tokens`` given with a JSONL task were ignored without a word."""
+    import kvplan.evaluation.runs
+    import kvplan.models
+    from kvplan.cli import main
+
+    def no_work(*a, **k):
+        raise AssertionError("the work started")
+
+    monkeypatch.setattr(kvplan.evaluation.runs, "_prepared_task", no_work)
+    monkeypatch.setattr(kvplan.models, "load_model", no_work)
+    monkeypatch.chdir(tmp_path)
+    task = tmp_path / "t.jsonl"
+    task.write_text("".join(f'{{"history": "Record {i} holds {7 * i}.", "question": "Which?", "answer": "{7 * i}"}}\n'
+                            for i in range(8)))
+    group = "plan: group size 7 is not one plans take (32, 64 or 128) (got 'int4-g7')"
+    lengths = (f"history_tokens=100 (--history-tokens): sets the built-in task's samples only; the records of the "
+               f"task file {task} hold their own history and evaluated tokens")
+    for argv, message in [
+        (["eval", "int4-g7", "--samples", "1", "--quiet"], group),
+        (["generate", "--plan", "int4-g7"], group),
+        (["generate", "--plan", "k4v2-g0"], "plan: group size 0 is not one plans take (32, 64 or 128) (got 'k4v2-g0')"),
+        (["eval", "4", "--samples", "1", "--quiet"], f"4: no such plan file, and {BUILT_IN}; also headguard, "
+                                                     "quanto-int2/4, hqq-int1/2/3/4/8"),
+        (["eval", "INT4", "--samples", "1", "--quiet"], f"INT4: no such plan file, and {BUILT_IN}; also "),
+        (["generate", "--plan", "int3"], f"int3: no such plan file, and {BUILT_IN}"),
+        (["validate", "-"], "-: no such plan file (nor the YAML text of a plan)"),
+        (["validate", "4"], "4: no such plan file (nor the YAML text of a plan)"),
+        (["eval", "int4", "--task", str(task), "--history-tokens", "100", "--quiet"], lengths),
+        (["sweep", "--task", str(task), "--history-tokens", "100", "--quiet"], lengths),
+        (["search", "--task", str(task), "--history-tokens", "100", "--quiet", "--no-journal",
+          "--out", str(tmp_path / "p.yaml")], lengths),
+        (["search", "--task", str(task), "--eval-tokens", "3", "--quiet", "--no-journal",
+          "--out", str(tmp_path / "p.yaml")], lengths.replace("history_tokens=100 (--history-tokens)",
+                                                              "eval_tokens=3 (--eval-tokens)")),
+    ]:
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith(f"kvplan: error: {message}"), (argv, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_the_built_in_task_says_which_length_leaves_too_few_windows():
+    """'only 0 windows of 100478 tokens ... ask for fewer samples or a shorter history' when the evaluated
+    tokens were what was too long."""
+    from kvplan.errors import KVPlanError
+    from kvplan.evaluation.tasks import default_task_samples
+    from kvplan.models import load_model
+
+    _, tok = load_model()
+    with pytest.raises(KVPlanError) as e:
+        default_task_samples(tok, split="test", n=1, eval_tokens=100_000)
+    assert "(a 4" in str(e.value) and "-token document window of the 512-token history + 100000 evaluated tokens)" \
+        in str(e.value) and "fewer evaluated tokens (--eval-tokens)" in str(e.value)
+
+
 def test_a_full_disk_under_stdout_is_one_line_not_an_internal_error(tmp_path):
     """`kvplan validate plan.yaml > /dev/full` printed a traceback and "internal error: this is a bug"."""
     if not os.path.exists("/dev/full"):

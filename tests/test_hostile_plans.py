@@ -311,8 +311,12 @@ def test_cli_internal_error_shows_traceback_and_asks_for_a_report(monkeypatch, c
     assert err.splitlines()[-1].startswith("kvplan: internal error: this is a bug in kvplan")
 
 
-def test_cli_threads_must_be_positive(capsys):
+@pytest.mark.parametrize("value, why", [("0", "must be at least 1, got 0"), ("x", "expected a whole number, got 'x'")])
+def test_cli_threads_must_be_positive(capsys, value, why):
+    """Checked by the argument parser, as every other count is (it was checked after parsing, in other words)."""
     from kvplan import cli
 
-    assert cli.main(["--threads", "0", "validate", "plan.yaml"]) == 2
-    assert capsys.readouterr().err == "kvplan: error: --threads: must be a positive integer (got 0)\n"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--threads", value, "validate", "plan.yaml"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"kvplan: error: argument --threads: {why} (see kvplan --help)\n"

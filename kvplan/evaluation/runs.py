@@ -13,12 +13,13 @@ import numpy as np
 
 from ..models.geometry import Geometry
 from ..plans import Plan, is_baseline_name
+from ..plans.baselines import check_plan_argument
 from ..plans._files import check_not_inputs, check_writable, existing_path
-from .baselines import evaluate_peer, head_sensitivity, headguard_from_sensitivity, named_plan, parse_peer
+from .baselines import PEER_BITS, evaluate_peer, head_sensitivity, headguard_from_sensitivity, named_plan, parse_peer
 from .harness import check_commits_any, evaluate, prepare_samples
 from .sweep import SWEEP_BITS, format_layers, format_ratios, format_table, sweep_prepared, write_sweep
 from .tasks import (ALL_RECORDS, DEFAULT_EVAL_TOKENS, DEFAULT_HISTORY_TOKENS, canonical_split, check_task,
-                    pad_token_id, task_file_digest, task_samples)
+                    check_task_lengths, pad_token_id, task_file_digest, task_samples)
 
 _MODELS: dict[tuple, Any] = {}
 
@@ -82,12 +83,12 @@ def _print_eval(r: dict[str, Any]) -> None:
         if k in r:
             m, (lo, hi) = r[k]["mean"], r[k]["ci95"]
             print(f"{k:<14}{m:>12.5f}   [{lo:>10.5f}, {hi:>10.5f}]")
-    for kind, mods in r["quantized_tokens"].items():
-        for mod, n in mods.items():
-            print(f"quantized {kind.upper()} {mod}: {n:.0f} tokens ({n / max(1, r['n']):.1f}/sample)")
-    for kind, mods in r.get("streamed_tokens", {}).items():
-        for mod, n in mods.items():
-            print(f"streamed, not stored {kind.upper()} {mod}: {n:.0f} tokens ({n / max(1, r['n']):.1f}/sample)")
+    # tokens per layer and KV head (a mean: heads hold different bits), summed over the samples
+    for label, key in (("quantized", "quantized_tokens"), ("streamed, not stored", "streamed_tokens")):
+        for kind, mods in r.get(key, {}).items():
+            for mod, n in mods.items():
+                print(f"{label} {kind.upper()} {mod}: {n / max(1, r['n']):.1f} tokens per sample, layer and KV "
+                      f"head ({n:.1f} over the {r['n']} samples)")
 
 
 def run_eval(plan_or_baseline, model="smollm2-135m", task: str = "default", split: str = "test",
@@ -101,7 +102,8 @@ def run_eval(plan_or_baseline, model="smollm2-135m", task: str = "default", spli
     ``"headguard"`` (sensitivity on the calibration split, top 1/8 heads protected, rest
     INT2), or a transformers QuantizedCache peer ``quanto-int2`` / ``hqq-int4``... ``samples``:
     default 16 of the built-in task, every record of a JSONL task's split (as the search measures it).
-    ``history_tokens`` / ``eval_tokens``: the built-in task's (a JSONL record sets its own). ``seed``
+    ``history_tokens`` / ``eval_tokens``: the built-in task's (a JSONL record sets its own: giving them with a
+    JSONL task is an error). ``seed``
     (how a JSONL task's records and the built-in task's topics are split), the two lengths and ``samples``
     default to the plan's search's (``metrics.search``, and ``metrics.<split>.n_samples``) when the plan
     was searched on this task, so a plan is measured on its own test samples, else to 0, 512, 32 and the
@@ -125,6 +127,10 @@ def _prepared_task(model, dtype, task, split, samples, history_tokens, eval_toke
     return m, proc, ss, prepared, _modalities(ss), kw
 
 
+# the names kvplan eval takes beyond the built-in plans: "; also headguard, quanto-int2/4, hqq-int1/2/3/4/8"
+EVAL_ALSO = "; also headguard, " + ", ".join(f"{b}-int{'/'.join(map(str, bits))}" for b, bits in PEER_BITS.items())
+
+
 def _check_eval_arguments(plan_or_baseline, model, task, out) -> Plan | None:
     """Fail before the model loads: a plan file that does not parse, a peer's bit width its backend
     lacks, or an ``out`` that is one of the inputs or cannot be written. Returns the plan to evaluate
@@ -132,7 +138,7 @@ def _check_eval_arguments(plan_or_baseline, model, task, out) -> Plan | None:
     plan = plan_or_baseline if isinstance(plan_or_baseline, Plan) else None
     if isinstance(plan_or_baseline, (str, os.PathLike)):
         name = os.fspath(plan_or_baseline)
-        if parse_peer(name) is None and name != "headguard" and not is_baseline_name(name):
+        if parse_peer(name) is None and name != "headguard" and not check_plan_argument(name, EVAL_ALSO):
             plan = Plan.from_yaml(name)  # PlanError naming the file and key
     if out is not None:
         check_writable(out, "--out", is_dir=False)
@@ -221,6 +227,7 @@ def _history_title(lengths: dict) -> str:
 def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_tokens, eval_tokens, dtype,
               progress, verbose) -> dict:
     t0 = time.perf_counter()
+    check_task_lengths(task, history_tokens, eval_tokens)
     plan = _check_eval_arguments(plan_or_baseline, model, task, out)
     search = _search_on(plan, task)  # once: a task file is named by the digest of all its bytes
     settings, from_plan = eval_settings(plan, task, seed, history_tokens, eval_tokens, search=search)
@@ -261,6 +268,7 @@ def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_
         elif is_baseline_name(plan):
             plan = named_plan(plan, m, modalities=mods)
         r = evaluate(m, plan, prepared, seed=seed, progress=progress)
+    split = split if split == ALL_RECORDS else canonical_split(split)  # recorded as "test", not "heldout"
     r["task"] = {"task": task, "split": split, "samples": len(ss), "seed": seed, **_token_lengths(ss),
                  "dtype": dtype, "model": model if isinstance(model, str) else "<object>"}
     r["seconds"] = time.perf_counter() - t0
@@ -275,13 +283,15 @@ def _run_eval(plan_or_baseline, model, task, split, samples, out, seed, history_
 
 def run_sweep(model="smollm2-135m", samples: int | None = None, out_dir: str | os.PathLike | None = None, *,
               task: str = "default", split: str = "test", bits=SWEEP_BITS, seed: int = 0,
-              history_tokens: int = 512, eval_tokens: int = 32, group_size: int = 32, dtype: str = "float32",
+              history_tokens: int | None = None, eval_tokens: int | None = None, group_size: int = 32,
+              dtype: str = "float32",
               num_threads: int | None = None, progress: bool = True, verbose: bool = True) -> dict:
     """{FP16, INT8, INT4, INT2} x {each modality} x {K, V}: quantize only that part of the history.
 
     Writes ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``out_dir`` (``None``, the default: no files;
     ``kvplan sweep`` writes ``sweep-results/``); returns ``{"rows", "ratios", "results", "paths", "seconds",
-    "meta"}`` (``paths`` empty without ``out_dir``).
+    "meta"}`` (``paths`` empty without ``out_dir``). ``history_tokens`` / ``eval_tokens``: the built-in task's
+    (``None``: 512 / 32); a JSONL task's records hold their own, and giving them with one is an error.
     """
     with _threads(num_threads):
         return _run_sweep(model, samples, out_dir, task, split, bits, seed, history_tokens, eval_tokens, group_size,
@@ -291,6 +301,9 @@ def run_sweep(model="smollm2-135m", samples: int | None = None, out_dir: str | o
 def _run_sweep(model, samples, out_dir, task, split, bits, seed, history_tokens, eval_tokens, group_size, dtype,
                progress, verbose) -> dict:
     t0 = time.perf_counter()
+    check_task_lengths(task, history_tokens, eval_tokens)
+    history_tokens = DEFAULT_HISTORY_TOKENS if history_tokens is None else history_tokens
+    eval_tokens = DEFAULT_EVAL_TOKENS if eval_tokens is None else eval_tokens
     if out_dir is not None:  # before the sweep's work, not after it
         check_writable(out_dir, "--out-dir", is_dir=True)
     m, proc, ss, prepared, mods, _ = _prepared_task(model, dtype, task, split, samples, history_tokens,
@@ -298,7 +311,8 @@ def _run_sweep(model, samples, out_dir, task, split, bits, seed, history_tokens,
     res = sweep_prepared(m, prepared, mods, bits=bits, seed=seed, group_size=group_size, progress=progress)
     res["seconds"] = time.perf_counter() - t0
     lengths = _token_lengths(ss)  # what the samples hold (--history-tokens applies to the built-in task only)
-    meta = {"model": model if isinstance(model, str) else "<object>", "task": task, "split": split,
+    meta = {"model": model if isinstance(model, str) else "<object>", "task": task,
+            "split": split if split == ALL_RECORDS else canonical_split(split),
             "samples": len(ss), "seed": seed, **lengths, "group_size": group_size, "residual_length": 0,
             "dtype": dtype, "modalities": list(mods),
             "layer_types": list(Geometry.of(m).layer_types), "sliding_window": Geometry.of(m).sliding_window,

@@ -186,8 +186,10 @@ def default_task_samples(tokenizer, split: str = "test", n: int = 16,
     for j in range(depth):
         order += [w[j] for w in windows if j < len(w)]
     if n > len(order):
-        raise TaskError(f"the built-in task's {split} split has only {len(order)} windows of {need} tokens, "
-                        f"{n} samples asked; ask for fewer samples or a shorter history")
+        raise TaskError(f"the built-in task's {split} split has only {len(order)} windows of {need} tokens (a "
+                        f"{doc_len}-token document window of the {history_tokens}-token history + {eval_tokens} "
+                        f"evaluated tokens), {n} samples asked; ask for fewer samples, a shorter history "
+                        "(--history-tokens) or fewer evaluated tokens (--eval-tokens)")
     samples = []
     for topic, offset, ids in order[:n]:
         doc = ids[:doc_len]
@@ -494,6 +496,17 @@ def user_task_samples(path: str | os.PathLike, model, processor, n: int | None =
     labelled by ``labelling`` (default: token ids)."""
     recs = _records_of_split(path, read_jsonl(path), split, seed, n)
     return [encode_user_record(r, model, processor, labelling) for r in recs]
+
+
+def check_task_lengths(task, history_tokens=None, eval_tokens=None) -> None:
+    """Refuse a history or evaluated-token length given with a JSONL task (``None``: not given), whose records
+    hold their own: such a length used to be ignored without a word."""
+    if task == "default":
+        return
+    for name, value in (("history_tokens", history_tokens), ("eval_tokens", eval_tokens)):
+        if value is not None:
+            raise TaskError(f"{name}={value} (--{name.replace('_', '-')}): sets the built-in task's samples only; "
+                            f"the records of the task file {task} hold their own history and evaluated tokens")
 
 
 def check_task(task: str, samples: Mapping[str, int | None] | None = None, seed: int = 0) -> None:

@@ -347,8 +347,9 @@ class Plan:
             raise PlanError("plan", "expected a file path or YAML text", type(path_or_text).__name__)
         check_size(text, source)
         data = parse_plan_yaml(text, source)
-        if source is None and "\n" not in text and isinstance(data, str) and data == text.strip():
-            raise PlanError(FILE_PATH, "no such plan file (nor the YAML text of a plan)", show_value=False, source=data)
+        if source is None and "\n" not in text and text.strip() and not isinstance(data, dict):  # "int3", "4", "-"
+            raise PlanError(FILE_PATH, "no such plan file (nor the YAML text of a plan)", show_value=False,
+                            source=text.strip())
         return cls.from_dict(data, source=source)
 
 

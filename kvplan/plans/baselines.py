@@ -13,7 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import PlanError
+from ..errors import FILE_PATH, PlanError, or_list
+from ..kernels.qtypes import GROUP_SIZES
 from ..models.geometry import Geometry, storage_bits
 from ._checks import DEFAULT_MODALITY, check_int
 from ._fields import Provenance, QuantizerSettings, Reference
@@ -66,15 +67,40 @@ def at_model_width(model_or_geometry) -> dict:
     return {"reference": Reference(full_precision_bits=storage_bits(model_or_geometry))}
 
 
+BASELINE_NAMES = f"{', '.join(BASELINES)} (optionally with -g{'/-g'.join(map(str, GROUP_SIZES))})"
+
+
+def check_baseline_name(name: str) -> None:
+    """Raise :class:`PlanError` naming ``name`` unless it is a built-in baseline with a group size plans take
+    (``int4-g7`` is refused here, before a model loads, not by the plan built from it)."""
+    base, sep, suffix = name.partition("-g")
+    if base not in BASELINES or (sep and not suffix.isdigit()):
+        raise PlanError("plan", f"unknown baseline name; known: {BASELINE_NAMES}", name)
+    if sep and int(suffix) not in GROUP_SIZES:
+        raise PlanError("plan", f"group size {int(suffix)} is not one plans take ({or_list(GROUP_SIZES)})", name)
+
+
+def check_plan_argument(name: str, also: str = "") -> bool:
+    """A command's plan argument, checked before any model loads: ``True`` for a built-in baseline name (its
+    group size checked), ``False`` for what :meth:`Plan.from_yaml` reads (a path, or YAML text: a one-line
+    plan is a ``{...}`` mapping). A :class:`PlanError` for a one-line name that is neither, listing the
+    built-in names and ``also`` (the other names the command takes: ``kvplan eval``'s peers)."""
+    if is_baseline_name(name):
+        check_baseline_name(name)
+        return True
+    if "\n" in name or os.path.exists(name) or name.endswith((".yaml", ".yml")) or name.lstrip().startswith("{"):
+        return False
+    raise PlanError(FILE_PATH, f"no such plan file, and not a built-in plan: {BASELINE_NAMES}{also}",
+                    show_value=False, source=name)
+
+
 def baseline_plan(name: str, geometry: Geometry, **kwargs) -> Plan:
     """A built-in baseline by name: ``fp16``, ``int8``, ``int4``, ``int2``, ``k4v2``.
 
     Also accepts ``int4-g64`` / ``k4v2-g128`` style names for another group size.
     """
+    check_baseline_name(name)
     base, _, suffix = name.partition("-g")
-    if base not in BASELINES or (suffix and not suffix.isdigit()):
-        raise PlanError("plan", f"unknown baseline name; known: {sorted(BASELINES)} (optionally with -g32/-g64/-g128)",
-                        name)
     if suffix:
         kwargs["group_size"] = int(suffix)
     kb, vb = BASELINES[base]

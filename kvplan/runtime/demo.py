@@ -19,11 +19,12 @@ def generate_demo(plan="int4", model="smollm2-135m", prompt=None, max_new_tokens
     full-precision cache this model holds without kvplan (``DynamicCache`` in the model's dtype:
     float32 on CPU by default) and next to an fp16 cache."""
     from ..models import load_model
-    from ..plans import Plan, is_baseline_name
+    from ..plans import Plan
+    from ..plans.baselines import check_plan_argument
     from .load import load, unload
 
     prompt = default_prompt() if prompt is None else prompt
-    if isinstance(plan, (str, os.PathLike)) and not is_baseline_name(os.fspath(plan)):
+    if isinstance(plan, (str, os.PathLike)) and not check_plan_argument(os.fspath(plan)):
         Plan.from_yaml(os.fspath(plan))  # a file that does not parse fails before the model loads (load names it)
     t0 = time.perf_counter()
     m, tok = load_model(model) if isinstance(model, str) else model

@@ -823,7 +823,8 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
     ``samples`` / ``validation_samples`` / ``test_samples``: samples per split of the scorers search
     builds (``None``: 12 / 16 / 16 on the built-in task, every record of the split of a JSONL task;
     0 skips the validation or test split). ``history_tokens`` / ``eval_tokens``: each built-in
-    sample's history and evaluated tokens (``None``: 512 / 32). The CLI's options of the same names
+    sample's history and evaluated tokens (``None``: 512 / 32; a JSONL task's records hold their own, and
+    giving them with one is an error). The CLI's options of the same names
     set them; see :func:`kvplan.search.scorers.task_scorers`.
 
     ``worker``: this process's index among the workers of a shared study (seeds its sampler).
@@ -877,6 +878,10 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
 
         task_options = dict(n_calibration=samples, n_validation=validation_samples, n_test=test_samples,
                             history_tokens=history_tokens, eval_tokens=eval_tokens)
+        from ..evaluation.tasks import check_task_lengths
+
+        if scorer is None:
+            check_task_lengths(task, history_tokens, eval_tokens)
         for name, value, least in (("n_trials", n_trials, 1), ("samples", samples, 1),
                                    ("validation_samples", validation_samples, 0),
                                    ("test_samples", test_samples, 0), ("history_tokens", history_tokens, 1),

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from kvplan.errors import KVPlanError
 from kvplan.evaluation import sweep
 
 
@@ -52,8 +53,8 @@ def test_run_sweep_writes_files_only_where_asked(tmp_path, monkeypatch, smol):
 
 
 def test_sweep_and_eval_on_a_jsonl_task_record_the_lengths_its_samples_hold(tmp_path, smol):
-    """--history-tokens is the built-in task's: a JSONL task's records set their own lengths, and the
-    sweep's title and the eval's task block say what the samples held, not the unused option."""
+    """--history-tokens is the built-in task's: a JSONL task's records set their own lengths (giving it with one
+    is refused, it was ignored), and the sweep's title and the eval's task block say what the samples held."""
     from kvplan.evaluation import run_eval, run_sweep
     from kvplan.evaluation.tasks import task_samples
     from tests.search.test_task_search import _text_task
@@ -62,7 +63,10 @@ def test_sweep_and_eval_on_a_jsonl_task_record_the_lengths_its_samples_hold(tmp_
     samples = task_samples(task, smol[0], smol[1], split="test", n=2)
     held = sorted(len(s.history_ids) for s in samples)
     assert held[0] != 512
-    kw = dict(task=task, split="test", samples=2, history_tokens=512, progress=False, verbose=False)
+    kw = dict(task=task, split="test", samples=2, progress=False, verbose=False)
+    for run in (run_sweep, run_eval):
+        with pytest.raises(KVPlanError, match="^history_tokens=512 \\(--history-tokens\\): sets the built-in task's"):
+            run(*(() if run is run_sweep else ("int4",)), history_tokens=512, **kw)
     meta = run_sweep(bits=(2,), **kw)["meta"]
     want = held[0] if held[0] == held[1] else {"min": held[0], "mean": sum(held) / 2, "max": held[1]}
     assert meta["history_tokens"] == want and "512" not in meta["title"]
