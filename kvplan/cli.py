@@ -238,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog="kvplan", description="Find, explain and deploy mixed-precision KV-cache plans.")
     p.add_argument("--version", action="version", version=f"kvplan {__version__}")
-    p.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice; use 1 on a busy machine)")
+    p.add_argument("--threads", type=_positive,
+                   help="torch CPU threads (default: torch's choice; use 1 on a busy machine)")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("search", help="search a plan under an honest bits-per-value budget")
