@@ -224,7 +224,8 @@ def main() -> None:
     if plan.streamed_heads():
         sys.exit(f"{args.plan} streams KV heads, which this probe's copy prices and repair do not model; the "
                  "recorded table was measured on a plan that streams none: bench/results/no-stream/plan.yaml")
-    val = task_scorers(n_calibration=1, n_validation=args.samples, n_test=0, progress=False, attention="dequantize",
+    val = task_scorers(n_calibration=1, n_validation=args.samples, n_test=0, progress=False,
+                       attention="dequantize",
                        processes=1).validation
     model = val.model
     route = model.config._attn_implementation

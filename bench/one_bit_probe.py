@@ -66,7 +66,8 @@ def main() -> None:
     # fitted to the values' group length, as SearchSpace.codebooks_for fits the plan's (token axis)
     levels = default_codebook(1, q.value_scaling, min(q.group_size, plan.geometry.head_dim))
     plan = plan.replace(quantizer=dataclasses.replace(q, codebooks=tuple(q.codebooks) + (("v", 1, tuple(levels)),)))
-    val = task_scorers(n_calibration=1, n_validation=args.samples, n_test=0, progress=False, attention="chunked").validation
+    val = task_scorers(n_calibration=1, n_validation=args.samples, n_test=0, progress=False,
+                       attention="chunked").validation
     lines = ["# A 1-bit value format? Validation KL with every value slot at 16 / 2 / 1 bits", "",
              f"Command: {stamp()} (method in the script's "
              f"docstring; 1-bit levels {[round(x, 4) for x in levels]} x the group's absmax, {q.value_scaling}).", "",

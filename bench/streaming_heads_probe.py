@@ -212,7 +212,8 @@ def main() -> None:
     profile = search_profile(args.plan)
     q = searched.quantizer
     budget = searched.target_bpv or searched.bpv().total
-    scorers = task_scorers(n_calibration=args.calibration_samples, n_validation=args.samples, n_test=0, progress=False, attention="dequantize",
+    scorers = task_scorers(n_calibration=args.calibration_samples, n_validation=args.samples, n_test=0,
+                           progress=False, attention="dequantize",
                            processes=1)
     cal, val = scorers.calibration, scorers.validation
     model = cal.model

@@ -136,7 +136,8 @@ def main() -> None:
     t0 = time.time()
     plan = Plan.from_yaml(args.plan)
     plan = plan.replace(quantizer=dataclasses.replace(plan.quantizer, recent_length=0))  # its slots alone
-    val = task_scorers(n_calibration=1, n_validation=args.samples, n_test=0, progress=False, attention="dequantize").validation
+    val = task_scorers(n_calibration=1, n_validation=args.samples, n_test=0, progress=False,
+                       attention="dequantize").validation
     lines = ["# Token protection probe: validation KL of a fixed plan with some tokens exact", "",
              f"Command: {stamp()} (method in the script's docstring; the exact tokens' bytes are not counted).", "",
              "| kinds kept exact | share of each block | selection | validation KL [95% CI] |", "|---|---:|---|---|"]
