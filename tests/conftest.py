@@ -32,6 +32,18 @@ def _one_thread():
     torch.set_num_threads(old)
 
 
+@pytest.fixture(autouse=True)
+def _threads_back_to_one():
+    """After each test, one thread again: a test that changes torch's thread count (``kvplan --threads 2`` run
+    in process, a bench script's ``main``) moved later tests' in-process KLs by ~2e-4 relative off the ones
+    their searches recorded in one-thread sample workers, and they failed in another file's worker."""
+    yield
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """``(model, tokenizer)`` of the embedded SmolLM2-135M-Instruct (fp32, CPU)."""
