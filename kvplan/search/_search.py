@@ -463,12 +463,28 @@ class _Searcher:
         return best
 
     # ---------------------------------------------------------------- candidates
+    ASK_TRIES = 5
+
     def ask(self):
-        t = quiet_ask(self.study, self.dists)
-        self.hb.hold(t._trial_id)
-        self.mine.add(t._trial_id)
-        t.set_user_attr("kvplan.owner", self.owner)  # provenance: who measured it (and, shared, who holds it)
-        return t
+        """A new trial, held by this worker. Another worker may fail it as orphaned while it is being asked
+        (it has no owner yet: an ask on a loaded storage outlasting ``grace_period``); that trial is left
+        failed and another is asked, instead of the worker ending on Optuna's UpdateFinishedTrialError."""
+        for _ in range(self.ASK_TRIES):
+            t = None
+            try:
+                t = quiet_ask(self.study, self.dists)
+                self.hb.hold(t._trial_id)
+                self.mine.add(t._trial_id)
+                t.set_user_attr("kvplan.owner", self.owner)  # provenance: who measured it (and, shared, who holds it)
+                return t
+            except optuna.exceptions.UpdateFinishedTrialError:
+                if t is not None:  # lost after study.ask returned: no longer this worker's
+                    self.hb.release(t._trial_id)
+                    self.mine.discard(t._trial_id)
+                warnings.warn("kvplan: a trial was failed by another worker while this one asked for it (an ask "
+                              "longer than --grace-period); asking again", stacklevel=2)
+        raise KVPlanError(f"{self.ASK_TRIES} trials in a row were failed by another worker while this one asked "
+                          "for them: the storage is slower than --grace-period allows; give a longer --grace-period")
 
     def repaired(self, params) -> tuple[np.ndarray, Any]:
         lv, q, _ = repair(self.model, self.space.levels_of(params), self.space.quantizer_of(params), self.budget,

@@ -580,3 +580,27 @@ def test_a_budget_that_constrains_nothing_is_warned_about_once(monkeypatch):
         search(budget=40.0, n_trials=2, profile=False, out=None, **FAST)
     said = [w for w in seen if "budget 40 bpv is at or above the dearest plan" in str(w.message)]
     assert len(said) == 1, [str(w.message) for w in seen]
+
+
+def test_a_trial_failed_by_another_worker_while_it_is_asked_is_asked_again(monkeypatch):
+    """A shared study's other worker fails an ownerless RUNNING trial as orphaned once it outlives the grace
+    period; an ask slower than that (a loaded SQLite storage) ended this worker on Optuna's
+    ``UpdateFinishedTrialError: Trial#16 has already finished`` (seen in a CI run)."""
+    import optuna
+
+    from kvplan.search import _search
+
+    real_ask, calls = _search.quiet_ask, []
+
+    def ask_lost_once(study, dists=None):
+        calls.append(1)
+        if len(calls) == 2:  # the second ask: its trial is failed under it, as the other worker would
+            t = real_ask(study, dists)
+            study.tell(t, state=optuna.trial.TrialState.FAIL)
+            raise optuna.exceptions.UpdateFinishedTrialError(f"Trial#{t.number} has already finished")
+        return real_ask(study, dists)
+
+    monkeypatch.setattr(_search, "quiet_ask", ask_lost_once)
+    with pytest.warns(UserWarning, match="a trial was failed by another worker while this one asked for it"):
+        r = search(budget=3.0, n_trials=6, scorer=SyntheticScorer(), out=None, **FAST)
+    assert r.plan is not None and len(calls) >= 3
