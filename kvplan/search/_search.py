@@ -894,10 +894,6 @@ def search(model="smollm2-135m", budget="2.5bpv", granularity: str = "slot", n_t
 
         task_options = dict(n_calibration=samples, n_validation=validation_samples, n_test=test_samples,
                             history_tokens=history_tokens, eval_tokens=eval_tokens)
-        from ..evaluation.tasks import check_task_lengths
-
-        if scorer is None:
-            check_task_lengths(task, history_tokens, eval_tokens)
         for name, value, least in (("n_trials", n_trials, 1), ("samples", samples, 1),
                                    ("validation_samples", validation_samples, 0),
                                    ("test_samples", test_samples, 0), ("history_tokens", history_tokens, 1),

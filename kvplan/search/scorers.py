@@ -192,7 +192,7 @@ DEFAULT_SAMPLES = {"calibration": 12, "validation": 16, "test": 16}  # of the bu
 
 def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, n_calibration: int | None = None,
                  n_validation: int | None = None, n_test: int | None = None,
-                 history_tokens: int = DEFAULT_HISTORY_TOKENS, eval_tokens: int = DEFAULT_EVAL_TOKENS,
+                 history_tokens: int | None = None, eval_tokens: int | None = None,
                  context_len: int | None = None, attention: str = "auto",
                  progress: bool = True, before_prefill=None, labelling=None, processes: int | None = None
                  ) -> TaskScorers:
@@ -201,7 +201,8 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
     ``model``: a name/path for :func:`kvplan.load_model` or a loaded ``(model, processor)``
     pair. ``n_calibration`` / ``n_validation`` / ``n_test``: samples per split (``None``: 12 /
     16 / 16 on the built-in task, every record of the split on a JSONL task; 0 skips the
-    validation or test split). ``context_len``: where the
+    validation or test split). ``history_tokens`` / ``eval_tokens``: the built-in task's (``None``: 512 / 32);
+    a JSONL task's records hold their own, and giving them with one is an error. ``context_len``: where the
     budget is stated (default: the calibration history length). ``before_prefill(geometry,
     reference, modalities)`` runs once the task's layout is known and before the (slow)
     full-precision prefills, e.g. to reject an infeasible budget. ``labelling``: a
@@ -212,9 +213,12 @@ def task_scorers(model="smollm2-135m", task: str = "default", *, seed: int = 0, 
     """
     from ..evaluation.harness import prepare_samples
     from ..evaluation.parallel import usable_processes
-    from ..evaluation.tasks import check_task, pad_token_id, task_samples
+    from ..evaluation.tasks import check_task, check_task_lengths, pad_token_id, task_samples
     from ..models import load_model
 
+    check_task_lengths(task, history_tokens, eval_tokens)
+    history_tokens = DEFAULT_HISTORY_TOKENS if history_tokens is None else history_tokens
+    eval_tokens = DEFAULT_EVAL_TOKENS if eval_tokens is None else eval_tokens
     asked = {"calibration": n_calibration, "validation": n_validation, "test": n_test}
     if task == "default":
         asked = {k: DEFAULT_SAMPLES[k] if n is None else n for k, n in asked.items()}
